@@ -1,0 +1,21 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench setup clean
+
+$(VENV)/.bootstrapped: pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh $(VENV)
+
+setup: $(VENV)/.bootstrapped
+
+demo: $(VENV)/.bootstrapped
+	$(VENV)/bin/pdserve generate --chat --max-tokens 96 "Explain in two sentences why the sky is blue."
+
+test: $(VENV)/.bootstrapped
+	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+bench: $(VENV)/.bootstrapped
+	$(PY) -m benchmarks.engine_bench
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,119 @@
+"""The KV block allocator: reference counts, a free list, and prefix caching by chained block hashes.
+
+A block holds `block_size_tokens` consecutive tokens of one sequence. A *full* block whose KV has been
+computed gets a hash chained from its predecessor's hash and its own token ids, so two prompts that
+share a prefix share its blocks (each holder counts one reference). A block whose last reference is
+dropped goes back to the free list but keeps its hash: until it is handed out again, a later prompt
+with the same prefix revives it instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Optional, Sequence
+
+_NO_PARENT = b""
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free KV blocks for the request; the caller may wait, preempt or reject."""
+
+
+def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size_tokens: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size_tokens < 1:
+            raise ValueError(f"need at least one block of one token, got {num_blocks} x {block_size_tokens}")
+        self.num_blocks = num_blocks
+        self.block_size_tokens = block_size_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        # Insertion-ordered set: oldest freed first, so cached blocks survive as long as possible.
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self._block_hash: list[Optional[bytes]] = [None] * num_blocks
+        self._hash_to_block: dict[bytes, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size_tokens)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Fresh blocks (reference count 1) for KV that has yet to be written."""
+        if num_blocks > len(self._free):
+            raise OutOfBlocksError(f"need {num_blocks} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        blocks = []
+        for _ in range(num_blocks):
+            block_id = next(iter(self._free))
+            del self._free[block_id]
+            self._forget_hash(block_id)
+            self._ref_counts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def allocate_prompt(self, prompt_token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Blocks for a whole prompt, reusing cached prefix blocks; returns (block ids, cached tokens).
+
+        At least the prompt's last token is always left uncached: its logits are needed.
+        """
+        size = self.block_size_tokens
+        reusable = (len(prompt_token_ids) - 1) // size if self.enable_prefix_caching else 0
+        cached: list[int] = []
+        parent = _NO_PARENT
+        for index in range(reusable):
+            parent = chain_hash(parent, prompt_token_ids[index * size : (index + 1) * size])
+            block_id = self._hash_to_block.get(parent)
+            if block_id is None:
+                break
+            cached.append(block_id)
+        fresh_needed = self.blocks_needed(len(prompt_token_ids)) - len(cached)
+        revived = sum(1 for b in cached if self._ref_counts[b] == 0)
+        if fresh_needed + revived > len(self._free):
+            raise OutOfBlocksError(
+                f"prompt of {len(prompt_token_ids)} tokens needs {fresh_needed + revived} KV blocks, "
+                f"{len(self._free)} free of {self.num_blocks}"
+            )
+        for block_id in cached:
+            self._ref_counts[block_id] += 1
+            self._free.pop(block_id, None)
+        return cached + self.allocate(fresh_needed), len(cached) * size
+
+    def register_computed(self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Make a sequence's full, computed blocks findable by later prompts with the same prefix."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size_tokens
+        parent = _NO_PARENT
+        for index in range(num_computed_tokens // size):
+            parent = chain_hash(parent, token_ids[index * size : (index + 1) * size])
+            block_id = block_ids[index]
+            if self._block_hash[block_id] is None and parent not in self._hash_to_block:
+                self._block_hash[block_id] = parent
+                self._hash_to_block[parent] = block_id
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise ValueError(f"KV block {block_id} freed more often than allocated")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free[block_id] = None
+
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash = self._block_hash[block_id]
+        if block_hash is not None:
+            self._block_hash[block_id] = None
+            if self._hash_to_block.get(block_hash) == block_id:
+                del self._hash_to_block[block_hash]

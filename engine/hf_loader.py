@@ -1,0 +1,37 @@
+"""Reading a Hugging Face model directory: config.json, *.safetensors (memory-mapped), tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine.config import ModelConfig, config_from_hf
+
+
+def read_config(path: Path) -> tuple[ModelConfig, tuple[int, ...]]:
+    """The model config and the extra end-of-sequence ids `generation_config.json` names."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    config = config_from_hf(json.loads(config_file.read_text()), name=path.name)
+    eos: tuple[int, ...] = ()
+    generation_file = path / "generation_config.json"
+    if generation_file.is_file():
+        value = json.loads(generation_file.read_text()).get("eos_token_id")
+        eos = tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
+    return config, eos
+
+
+def iter_hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:  # memory-mapped, read tensor by tensor
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)

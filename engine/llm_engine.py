@@ -1,0 +1,206 @@
+"""The single-process engine: continuous batching over a paged KV cache, text in, text out.
+
+    engine = LLMEngine(EngineConfig(model="default"))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished():
+        for output in engine.step(): ...
+
+`step()` is the whole loop: schedule -> run the model -> sample -> update sequences -> collect outputs.
+The disaggregated workers reuse its parts (scheduler, model runner, sampler) rather than this class.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence as Seq, Union
+
+import torch
+
+from engine.block_manager import BlockAllocator
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVLayout, PagedKVCache
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams, sample
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, Sequence
+from engine.weights import LoadedModel, load_model, parse_dtype
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (the message names the problem)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size_tokens: int = 16
+    kv_cache_bytes: int = 512 * 2**20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass
+class CompletedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.layout = KVLayout.for_model(self.model_config, config.block_size_tokens, config.torch_dtype)
+        num_blocks = PagedKVCache.num_blocks_for_bytes(self.layout, config.kv_cache_bytes)
+        self.kv_cache = PagedKVCache(self.layout, num_blocks, config.device)
+        self.allocator = BlockAllocator(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.allocator)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache)
+        self.eos_token_ids = frozenset(self.tokenizer.special.eos_token_ids) if self.tokenizer else frozenset()
+        self._seqs: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Union[str, Seq[int]], params: SamplingParams) -> None:
+        if request_id in self._seqs:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer; send prompt token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        self.validate_prompt(prompt_ids)
+        seq = Sequence(request_id, prompt_ids, params.with_seed(), arrival_time_s=time.monotonic())
+        self._seqs[request_id] = seq
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        self.scheduler.add(seq)
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self.model_config.max_context_tokens
+        if len(prompt_ids) >= limit:
+            raise RequestError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit} tokens (prompt plus at least one output token)")
+        blocks = self.allocator.blocks_needed(len(prompt_ids) + 1)
+        if blocks > self.allocator.num_blocks:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens needs {blocks} KV blocks; the cache holds {self.allocator.num_blocks}")
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        if batch.is_prefill:
+            logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
+            sampled_seqs = self.scheduler.after_prefill(batch)
+        else:
+            logits = self.runner.decode(batch.seqs)
+            self.scheduler.after_decode(batch)
+            sampled_seqs = batch.seqs
+        tokens = sample(logits, [s.params for s in sampled_seqs], [len(s.output_token_ids) for s in sampled_seqs])
+        return [self._append_token(seq, token, batch) for seq, token in zip(sampled_seqs, tokens)]
+
+    def _append_token(self, seq: Sequence, token: int, batch: ScheduledBatch) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        reason = self.finish_reason(seq, token)
+        detok = self._detokenizers.get(seq.request_id)
+        text = ""
+        if detok is not None and not (reason is FinishReason.STOP and self._is_stop_token(seq, token)):
+            text = detok.add_token(token)
+            if detok.stop_string is not None:
+                reason = FinishReason.STOP
+        if reason is None and batch.is_prefill:
+            self.scheduler.start_running(seq)
+        output = RequestOutput(
+            seq.request_id, [token], text, num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids), num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+        )
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            output.finished, output.finish_reason = True, reason.value
+            if detok is not None:
+                output.new_text += detok.flush()
+            del self._seqs[seq.request_id]
+            self._detokenizers.pop(seq.request_id, None)
+        return output
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        return token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos)
+
+    def finish_reason(self, seq: Sequence, token: int) -> Optional[FinishReason]:
+        if self._is_stop_token(seq, token):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.model_config.max_context_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    # -- conveniences --------------------------------------------------------------------------
+
+    def generate(self, prompts: Seq[Union[str, Seq[int]]], params: SamplingParams) -> list[CompletedRequest]:
+        """Runs the prompts as one continuous batch to completion."""
+        results: dict[str, CompletedRequest] = {}
+        for index, prompt in enumerate(prompts):
+            request_id = f"generate-{index}-{os.urandom(4).hex()}"
+            self.add_request(request_id, prompt, params)
+            results[request_id] = CompletedRequest(request_id, self._seqs[request_id].prompt_token_ids)
+        for output in self.run_until_done():
+            done = results[output.request_id]
+            done.token_ids += output.new_token_ids
+            done.text += output.new_text
+            done.finish_reason = output.finish_reason
+        return list(results.values())
+
+    def run_until_done(self) -> Iterator[RequestOutput]:
+        while self.has_unfinished():
+            yield from self.step()

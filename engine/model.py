@@ -1,0 +1,237 @@
+"""A Llama-family decoder as one plain `nn.Module`, reading and writing a paged KV cache.
+
+Covers Llama 2/3 (RoPE with `rope_theta` and Llama-3 scaling), SmolLM2, Mistral-style GQA and
+Qwen2 (q/k/v bias). q/k/v and gate/up are fused into one matmul each: on CPU a decode step is
+bound by weight reads and per-op overhead, so fewer, bigger ops win.
+
+A forward pass takes the tokens of several sequences flattened into one row (no padding in the
+matmuls) plus a `ForwardBatch` that says where each token sits and where its K/V goes in the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence's part of a prefill batch: its new tokens and the context they extend."""
+
+    query_start: int  # offset of this sequence's first new token in the flattened batch
+    num_query_tokens: int
+    num_context_tokens: int  # cached tokens before this chunk + this chunk's tokens
+    block_table: torch.Tensor  # long [num_blocks] covering num_context_tokens
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # long [num_tokens]
+    slot_mapping: torch.Tensor  # long [num_tokens]: block_id * block_size + offset in block
+    # Exactly one of the two forms is set.
+    prefill_slices: Optional[list[PrefillSlice]] = None
+    decode_block_tables: Optional[torch.Tensor] = None  # long [batch, max_blocks]
+    decode_context_lens: Optional[torch.Tensor] = None  # long [batch], including the new token
+    # Rows of the flattened batch whose logits are wanted (None: every row).
+    logits_indices: Optional[torch.Tensor] = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference, then scale in the model's dtype.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return normed * self.weight
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float64) * 2 / config.head_dim))
+    scaling = config.rope_scaling
+    if scaling is not None:
+        # Llama 3.1: long wavelengths slow down by `factor`, short ones stay, a smooth ramp between.
+        low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, inv_freq)
+    if freq_factors is not None:  # GGUF stores Llama-3 scaling precomputed as divisors
+        inv_freq = inv_freq / freq_factors.double()
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._cos_sin: Optional[torch.Tensor] = None
+
+    def set_freq_factors(self, freq_factors: torch.Tensor) -> None:
+        self.inv_freq = rope_inv_freq(self.config, freq_factors).to(self.inv_freq.device)
+        self._cos_sin = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._cos_sin
+        if table is None or table.dtype != dtype or table.device != positions.device:
+            t = torch.arange(self.config.max_context_tokens, dtype=torch.float32, device=positions.device)
+            freqs = torch.outer(t, self.inv_freq.to(positions.device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = torch.stack((emb.cos(), emb.sin())).to(dtype)
+            self._cos_sin = table
+        cos_sin = table[:, positions]  # [2, tokens, head_dim]
+        return cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        c = self.config
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+        q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        # k/v caches: [num_blocks, block_size, kv_heads, head_dim]; write this batch's tokens.
+        k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, batch.slot_mapping, k)
+        v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, batch.slot_mapping, v)
+        if batch.decode_block_tables is not None:
+            out = self._decode_attention(q, k_cache, v_cache, batch)
+        else:
+            out = self._prefill_attention(q, k, v, k_cache, v_cache, batch)
+        return self.o_proj(out)
+
+    def _decode_attention(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        # One query token per sequence. Group the query heads that share a kv head into the
+        # "query length" axis, so SDPA reads each kv head once without repeating it.
+        c = self.config
+        batch_size = q.shape[0]
+        block_tables = batch.decode_block_tables
+        keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, T, head_dim]
+        values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+        span = torch.arange(keys.shape[2], device=q.device)
+        mask = (span.unsqueeze(0) < batch.decode_context_lens.unsqueeze(1)).view(batch_size, 1, 1, -1)
+        grouped_q = q.view(batch_size, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=self.scale)
+        return out.reshape(batch_size, c.q_size)
+
+    def _prefill_attention(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        c = self.config
+        outputs = []
+        for part in batch.prefill_slices:
+            rows = slice(part.query_start, part.query_start + part.num_query_tokens)
+            q_part = q[rows].transpose(0, 1)  # [heads, n, head_dim]
+            num_cached = part.num_context_tokens - part.num_query_tokens
+            if num_cached == 0:
+                keys, values = k[rows], v[rows]
+                mask = None
+            else:  # a later chunk, or a cached prefix: attend to what the cache holds
+                keys = k_cache[part.block_table].flatten(0, 1)[: part.num_context_tokens]
+                values = v_cache[part.block_table].flatten(0, 1)[: part.num_context_tokens]
+                query_pos = torch.arange(num_cached, part.num_context_tokens, device=q.device)
+                key_pos = torch.arange(part.num_context_tokens, device=q.device)
+                mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+            out = F.scaled_dot_product_attention(
+                q_part,
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=c.num_heads != c.num_kv_heads,
+            )
+            outputs.append(out.transpose(0, 1).reshape(part.num_query_tokens, c.q_size))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Parameter names follow HF's `LlamaForCausalLM` except the fused `qkv_proj` and `gate_up_proj`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits (fp32) for `batch.logits_indices` rows, after writing every token's K/V to the cache."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, batch)
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]
+        x = self.norm(x)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()

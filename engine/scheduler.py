@@ -1,0 +1,134 @@
+"""Continuous batching: which sequences run in the next forward pass.
+
+Policy (vLLM's classic one): if prompts are waiting and fit, run a prefill batch of them under a token
+budget, chunking a prompt that does not fit the budget; otherwise run one decode step over every
+running sequence. Sequences join and leave the running batch between steps. When a decode step needs
+a block and none is free, the most recently started sequence is preempted: its blocks are freed and
+it is recomputed later (prefix caching makes that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.block_manager import BlockAllocator, OutOfBlocksError
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class ScheduledBatch:
+    is_prefill: bool
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence: its prefill chunk, or 1 when decoding
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV (all but its last token) is already in the cache, e.g. transferred in."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Optional[ScheduledBatch]:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        budget = self.config.max_num_batched_tokens
+        seqs, chunks = [], []
+        for seq in self.waiting:
+            if budget == 0 or len(self.running) + len(seqs) >= self.config.max_num_seqs:
+                break
+            if not seq.block_ids:
+                try:
+                    seq.block_ids, seq.num_cached_prompt_tokens = self.allocator.allocate_prompt(seq.token_ids)
+                except OutOfBlocksError:
+                    break  # it waits until running sequences free blocks
+                seq.num_computed_tokens = seq.num_cached_prompt_tokens
+            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        return ScheduledBatch(True, seqs, chunks) if seqs else None
+
+    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        scheduled: list[Sequence] = []
+        while self.running:
+            seq = self.running.pop(0)
+            if self._reserve_slot(seq):  # otherwise it was preempted back to the waiting queue
+                scheduled.append(seq)
+        self.running = scheduled
+        return ScheduledBatch(False, list(scheduled), [1] * len(scheduled)) if scheduled else None
+
+    def _reserve_slot(self, seq: Sequence) -> bool:
+        """Make room for `seq`'s next token, preempting the newest other sequences if needed."""
+        while self.allocator.blocks_needed(seq.num_tokens) > len(seq.block_ids):
+            try:
+                seq.block_ids += self.allocator.allocate(1)
+            except OutOfBlocksError:
+                victim = self.running.pop() if self.running else seq
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def after_prefill(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Account the computed chunks; returns the sequences whose prompt is now fully computed."""
+        completed = []
+        for seq, chunk in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += chunk
+            self.allocator.register_computed(seq.token_ids, seq.block_ids, seq.num_computed_tokens)
+            if seq.num_computed_tokens == seq.num_tokens:
+                self.waiting.remove(seq)
+                completed.append(seq)
+        return completed
+
+    def after_decode(self, batch: ScheduledBatch) -> None:
+        for seq in batch.seqs:
+            seq.num_computed_tokens += 1
+
+    def start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        # Tail blocks first, so the prompt's prefix blocks stay cached the longest.
+        self.allocator.free(list(reversed(seq.block_ids)))
+        seq.block_ids = []

@@ -1,0 +1,114 @@
+"""Turning a model spec (`default`, a GGUF file, an HF directory, or `dummy:<shape>`) into a ready model.
+
+All sources yield tensors under HF `LlamaForCausalLM` names; `build_model` fuses q/k/v and gate/up,
+casts to the serving dtype and loads them with `assign=True` (no second copy of the weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from engine.config import NAMED_SHAPES, ModelConfig
+from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, default_model_path
+from engine.model import LlamaModel, rope_inv_freq
+from engine.tokenizer import Tokenizer
+
+DUMMY_PREFIX = "dummy:"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Optional[Tokenizer]  # None for random-weights models
+    source: str
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_model_path(spec: str) -> Path:
+    if spec == DEFAULT_MODEL_NAME:
+        return default_model_path()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {spec!r} does not exist (give a .gguf file, an HF directory, 'default' or 'dummy:<shape>')")
+    return path
+
+
+def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> LoadedModel:
+    if spec.startswith(DUMMY_PREFIX):
+        return load_dummy(spec[len(DUMMY_PREFIX):], dtype, device, seed)
+    path = resolve_model_path(spec)
+    if path.is_dir():
+        from engine import hf_loader
+
+        config, generation_eos = hf_loader.read_config(path)
+        tokenizer = Tokenizer.from_hf_dir(path, generation_eos)
+        model = build_model(config, hf_loader.iter_hf_tensors(path), dtype, device)
+        return LoadedModel(config, model, tokenizer, str(path))
+    from engine import gguf_loader
+
+    reader = gguf_loader.open_gguf(path)
+    fields = gguf_loader.read_fields(reader)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    config = gguf_loader.config_from_fields(fields, has_output, name=path.stem)
+    tokenizer = Tokenizer.from_gguf_fields(fields)
+    tensors = gguf_loader.iter_hf_tensors(reader, config, fields["general.architecture"])
+    model = build_model(config, tensors, dtype, device)
+    return LoadedModel(config, model, tokenizer, str(path))
+
+
+def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
+    if shape not in NAMED_SHAPES:
+        raise ModelNotFoundError(f"unknown dummy shape {shape!r}; known: {', '.join(NAMED_SHAPES)}")
+    config = NAMED_SHAPES[shape]
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device(device):
+        model = LlamaModel(config)
+    for name, param in model.named_parameters():
+        with torch.no_grad():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+            else:  # small normal weights keep activations finite through many layers
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return LoadedModel(config, model.to(dtype).eval(), None, DUMMY_PREFIX + shape)
+
+
+def build_model(config: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str) -> LlamaModel:
+    loaded: dict[str, torch.Tensor] = {}
+    rope_freqs = None
+    for name, tensor in hf_tensors:
+        if name == "rope_freqs":
+            rope_freqs = tensor
+            continue
+        if "rotary_emb" in name:
+            continue
+        loaded[name.removeprefix("model.")] = tensor.to(device=device, dtype=dtype)
+    if config.tie_word_embeddings:
+        loaded.pop("lm_head.weight", None)
+    state: dict[str, torch.Tensor] = {}
+    for name in list(loaded):
+        if ".self_attn.q_proj." in name:
+            kind = name.rsplit(".", 1)[1]  # weight or bias
+            prefix = name.split(".self_attn.")[0] + ".self_attn."
+            state[f"{prefix}qkv_proj.{kind}"] = torch.cat([loaded.pop(f"{prefix}{p}_proj.{kind}") for p in "qkv"])
+        elif ".mlp.gate_proj." in name:
+            prefix = name.split(".mlp.")[0] + ".mlp."
+            state[f"{prefix}gate_up_proj.weight"] = torch.cat([loaded.pop(f"{prefix}gate_proj.weight"), loaded.pop(f"{prefix}up_proj.weight")])
+    state.update(loaded)  # norms, o_proj, down_proj, embeddings: names already match
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.rotary.inv_freq = rope_inv_freq(config, rope_freqs).to(device)  # buffers were left on meta
+    return model.eval()
