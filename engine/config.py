@@ -100,7 +100,9 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
     if architectures and not set(architectures) & supported:
         raise ValueError(f"unsupported architecture {architectures}; supported: {sorted(supported)}")
     num_heads = hf["num_attention_heads"]
-    scaling = hf.get("rope_scaling") or None
+    # transformers 5 writes `rope_parameters` (theta inside it); older configs `rope_scaling` + `rope_theta`.
+    scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or None
+    rope_theta = float((scaling or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_scaling = None
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -123,7 +125,7 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         max_context_tokens=hf.get("max_position_embeddings", 4096),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", is_qwen2)),

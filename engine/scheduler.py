@@ -40,6 +40,7 @@ class Scheduler:
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -95,6 +96,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

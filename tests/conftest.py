@@ -1,0 +1,33 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+
+# Tests share two cores with whatever else runs; one intra-op thread keeps them predictable.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32():
+    """The default model loaded once, fp32 (the precision the HF comparisons need)."""
+    from engine.weights import load_model
+
+    return load_model("default", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_fp32(default_gguf):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    return model.eval()

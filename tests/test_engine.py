@@ -1,0 +1,120 @@
+"""The single-process engine: batching, preemption, finishing, sampling and bad input."""
+
+import pytest
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from engine.sampling import SamplingParams
+from engine.weights import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("dummy:tiny", torch.float32)
+
+
+def _random_prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=generator).tolist() for n in lengths]
+
+
+def test_a_batch_of_different_lengths_matches_each_sequence_alone(smollm_fp32):
+    tokenizer = smollm_fp32.tokenizer
+    texts = ["Hi", "Name a colour.", "Why is the sky blue? Answer briefly.", "Count from one to five.",
+             "Tell me a very short story about a cat who learns to fly over the mountains."]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=64 * 2**20), loaded=smollm_fp32)
+    batched = engine.generate(prompts, params)
+    assert len({len(r.token_ids) for r in batched}) > 1  # some finish early while others still run
+    for prompt, result in zip(prompts, batched):
+        assert engine.generate([prompt], params)[0].token_ids == result.token_ids
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_preemption_under_a_small_cache_keeps_outputs_identical(tiny):
+    prompts = _random_prompts([40, 33, 57, 21, 64, 12])
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    roomy = LLMEngine(EngineConfig(model="dummy:tiny", block_size_tokens=8), loaded=tiny)
+    expected = [r.token_ids for r in roomy.generate(prompts, params)]
+    layout_bytes = roomy.layout.bytes_per_block
+    cramped = LLMEngine(EngineConfig(block_size_tokens=8, kv_cache_bytes=30 * layout_bytes), loaded=tiny)
+    assert [r.token_ids for r in cramped.generate(prompts, params)] == expected
+    assert cramped.scheduler.num_preemptions > 0 and roomy.scheduler.num_preemptions == 0
+    assert cramped.allocator.num_free_blocks == cramped.allocator.num_blocks == 30
+
+
+def test_continuous_batching_admits_new_requests_into_a_running_batch(tiny):
+    engine = LLMEngine(EngineConfig(block_size_tokens=8), loaded=tiny)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request("first", _random_prompts([10])[0], params)
+    for _ in range(5):
+        engine.step()
+    engine.add_request("second", _random_prompts([10], seed=1)[0], params)
+    engine.step()  # the newcomer's prefill
+    assert [s.request_id for s in engine.scheduler.running] == ["first", "second"]
+    decode_batch = engine.scheduler.schedule()
+    assert not decode_batch.is_prefill and len(decode_batch.seqs) == 2
+
+
+def test_finish_reasons_and_abort_free_every_block(tiny):
+    engine = LLMEngine(EngineConfig(block_size_tokens=8), loaded=tiny)
+    prompt = _random_prompts([16])[0]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 5
+    stop_on = greedy.token_ids[2]
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(stop_on,)))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_on) + 1]
+    engine.add_request("gone", prompt, SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    assert engine.abort("gone") and not engine.abort("gone")
+    assert not engine.has_unfinished()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_stop_strings_cut_the_text(smollm_fp32):
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=32 * 2**20), loaded=smollm_fp32)
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    full = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert "Paris" in full.text
+    cut = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=("Paris",)))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index("Paris")]
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny):
+    engine = LLMEngine(EngineConfig(block_size_tokens=8), loaded=tiny)
+    prompt = _random_prompts([12])[0]
+
+    def run(**kw):
+        return engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, **kw))[0].token_ids
+
+    assert run(temperature=1.0, seed=7) == run(temperature=1.0, seed=7)
+    assert run(temperature=1.0, seed=7) != run(temperature=1.0, seed=8)
+    assert run(temperature=0.8, top_k=1, seed=3) == run(temperature=0)
+    assert run(temperature=0.8, top_p=1e-6, seed=3) == run(temperature=0)
+    # The same seeded request gives the same tokens alone and inside a batch.
+    batch = engine.generate([prompt, _random_prompts([30], seed=5)[0]], SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))
+    assert batch[0].token_ids == run(temperature=1.0, seed=7)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [([], "prompt is empty"), ([1, 2, 10**6], "outside the vocabulary"), (list(range(3, 500)) * 3, "the model's context is 1024 tokens")],
+)
+def test_bad_prompts_are_clear_errors_and_disturb_nothing(tiny, prompt, message):
+    engine = LLMEngine(EngineConfig(block_size_tokens=8), loaded=tiny)
+    engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(RequestError, match=message):
+        engine.add_request("bad", prompt, SamplingParams(max_tokens=3))
+    outputs = list(engine.run_until_done())
+    assert [o.request_id for o in outputs] == ["ok"] * 3 and outputs[-1].finished
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+     ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"), ({"stop": ("",)}, "stop"), ({"seed": -1}, "seed")],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -1,0 +1,87 @@
+"""Weight loading: HF directories (safetensors, Llama-3 RoPE scaling, Qwen2 biases), dummies, bad input."""
+
+import json
+
+import pytest
+import torch
+
+from engine.default_model import ModelNotFoundError
+from engine.gguf_loader import GGUFError
+from engine.kv_cache import KVLayout, PagedKVCache
+from engine.model import ForwardBatch, PrefillSlice
+from engine.weights import load_model
+
+
+def _logits(loaded, ids):
+    n = len(ids)
+    dtype = next(loaded.model.parameters()).dtype
+    cache = PagedKVCache(KVLayout.for_model(loaded.config, 8, dtype), -(-n // 8))
+    batch = ForwardBatch(torch.arange(n), torch.arange(n), prefill_slices=[PrefillSlice(0, n, n, torch.arange(-(-n // 8)))])
+    return loaded.model(torch.tensor(ids), batch, cache.k_caches, cache.v_caches)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_files(tmp_path_factory, default_gguf):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama3-scaled", "qwen2-bias"])
+def test_hf_directory_matches_transformers(tmp_path, hf_tokenizer_files, family):
+    import transformers
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if family == "llama3-scaled":
+        config = transformers.LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False,
+                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        reference = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        reference = transformers.Qwen2ForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0, 0.05)
+    reference.eval().save_pretrained(tmp_path)
+    for file in hf_tokenizer_files.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    loaded = load_model(str(tmp_path), torch.float32)
+    assert loaded.config.attention_bias == (family == "qwen2-bias")
+    assert (loaded.config.rope_scaling is not None) == (family == "llama3-scaled")
+    ids = loaded.tokenizer.encode("Paged attention keeps the KV cache in fixed-size blocks. " * 12)
+    assert len(ids) > 100  # past original_max_position_embeddings, where scaling matters
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    assert (_logits(loaded, ids) - expected).abs().max().item() < 1e-4
+
+
+def test_dummy_models_of_named_shapes():
+    loaded = load_model("dummy:tiny", torch.bfloat16)
+    assert loaded.tokenizer is None and loaded.config.num_layers == 2
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    assert torch.isfinite(_logits(loaded, [1, 2, 3])).all()
+    with pytest.raises(ModelNotFoundError, match="unknown dummy shape 'llama-99b'"):
+        load_model("dummy:llama-99b")
+
+
+def test_unknown_paths_and_bad_files_are_clear_errors(tmp_path, default_gguf):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        load_model(str(tmp_path / "missing.gguf"))
+    not_gguf = tmp_path / "noise.gguf"
+    not_gguf.write_bytes(b"\x00" * 4096)
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        load_model(str(not_gguf))
+    truncated = tmp_path / "truncated.gguf"
+    with open(default_gguf, "rb") as source:
+        truncated.write_bytes(source.read(3_000_000))
+    with pytest.raises(GGUFError, match="corrupt or truncated"):
+        load_model(str(truncated))
+    (tmp_path / "hfdir").mkdir()
+    (tmp_path / "hfdir" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        load_model(str(tmp_path / "hfdir"))
