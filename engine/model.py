@@ -50,9 +50,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference, then scale in the model's dtype.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return normed * self.weight
+        # One fused op; it accumulates in fp32 for bf16 inputs, like the reference's upcast.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -11,12 +11,13 @@ Chat templates are rendered with jinja2 in a sandbox configured like HF's `apply
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
@@ -24,7 +25,8 @@ from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, mo
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
-# Pre-tokenizer splits by `tokenizer.ggml.pre`. Anything not listed uses byte-level BPE's GPT-2 split.
+# Pre-tokenizer splits by `tokenizer.ggml.pre`, the same table HF transformers uses for GGUF files.
+# Anything not listed uses byte-level BPE's GPT-2 split.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -33,12 +35,30 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+         "dbrx", "smaug-bpe"],
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
 }
 
 
@@ -53,6 +73,15 @@ class SpecialTokens:
     bos_token_id: Optional[int]
     eos_token_ids: tuple[int, ...]
     add_bos_token: bool
+    unk_token: Optional[str] = None
+    pad_token: Optional[str] = None
+
+    @property
+    def template_variables(self) -> dict[str, str]:
+        """What a chat template sees of these, as HF passes its `special_tokens_map`: only the tokens that are set."""
+        named = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
+                 "pad_token": self.pad_token}
+        return {name: token for name, token in named.items() if token is not None}
 
 
 class Tokenizer:
@@ -78,7 +107,7 @@ class Tokenizer:
         for index, token in enumerate(tokens):
             if not set(token) <= alphabet:  # a token stored as plain text: respell it in the byte alphabet
                 token = "".join(_BYTE_TO_CHAR[b] for b in token.encode("utf-8"))
-            vocab.setdefault(token, index)
+            vocab[token] = index  # a token spelled twice keeps its last id, as HF's rebuild does
         backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
         split = _PRE_TOKENIZER_SPLITS.get(fields.get("tokenizer.ggml.pre", ""))
         if split is None:
@@ -106,6 +135,8 @@ class Tokenizer:
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None)),
             add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            unk_token=token_at("tokenizer.ggml.unknown_token_id"),
+            pad_token=token_at("tokenizer.ggml.padding_token_id"),
         )
         return cls(backend, special, fields.get("tokenizer.chat_template"))
 
@@ -135,10 +166,12 @@ class Tokenizer:
             bos_token_id=backend.token_to_id(bos) if bos else None,
             eos_token_ids=tuple(dict.fromkeys([*eos_ids, *generation_eos_ids])),
             add_bos_token=bool(config.get("add_bos_token", False)),
+            unk_token=token_text(config.get("unk_token")),
+            pad_token=token_text(config.get("pad_token")),
         )
         # A tokenizer.json may carry its own BOS post-processor; then we must not add another.
         if special.add_bos_token and backend.encode("a").ids[:1] == [special.bos_token_id]:
-            special = SpecialTokens(special.bos_token, eos, special.bos_token_id, special.eos_token_ids, False)
+            special = replace(special, add_bos_token=False)
         return cls(backend, special, template)
 
     # -- use ---------------------------------------------------------------------------------
@@ -164,12 +197,12 @@ class Tokenizer:
             raise TokenizerError("this model has no chat template; send a plain prompt instead")
         if self._compiled_template is None:
             self._compiled_template = _chat_environment().from_string(self.chat_template)
+        # As HF does: keys set to None are dropped (OpenAI clients send `"content": null`, and templates test for a
+        # missing key), and `tools`/`documents` are None unless given, which templates test with `is not none`.
+        messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        variables = {**self.special.template_variables, "tools": None, "documents": None, **extra}
         return self._compiled_template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.special.bos_token or "",
-            eos_token=self.special.eos_token or "",
-            **extra,
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
@@ -196,9 +229,22 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: HF marks assistant tokens with it for training; it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
 def _chat_environment() -> ImmutableSandboxedEnvironment:
     # The same settings HF's apply_chat_template uses, so templates render identically.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
+    )
     env.filters["tojson"] = lambda value, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
         value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys
     )
