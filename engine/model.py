@@ -155,7 +155,8 @@ class Attention(nn.Module):
         outputs = []
         for part in batch.prefill_slices:
             rows = slice(part.query_start, part.query_start + part.num_query_tokens)
-            q_part = q[rows].transpose(0, 1)  # [heads, n, head_dim]
+            # SDPA takes its fused CPU (flash) kernel only for 4-D inputs: [1, heads, n, head_dim].
+            q_part = q[rows].transpose(0, 1).unsqueeze(0)
             num_cached = part.num_context_tokens - part.num_query_tokens
             if num_cached == 0:
                 keys, values = k[rows], v[rows]
@@ -168,14 +169,14 @@ class Attention(nn.Module):
                 mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
             out = F.scaled_dot_product_attention(
                 q_part,
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=self.scale,
                 enable_gqa=c.num_heads != c.num_kv_heads,
             )
-            outputs.append(out.transpose(0, 1).reshape(part.num_query_tokens, c.q_size))
+            outputs.append(out[0].transpose(0, 1).reshape(part.num_query_tokens, c.q_size))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
