@@ -63,6 +63,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    handed_off: bool = False  # prefill done, KV held for export (see `export_kv`)
 
 
 @dataclass
@@ -91,11 +92,15 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.special.eos_token_ids) if self.tokenizer else frozenset()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._held: dict[str, Sequence] = {}  # prefilled, KV kept until the handoff is released
+        self._reserved: dict[str, tuple[list[int], int]] = {}  # blocks awaiting incoming KV, prompt tokens
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Union[str, Seq[int]], params: SamplingParams) -> None:
-        if request_id in self._seqs:
+    def add_request(
+        self, request_id: str, prompt: Union[str, Seq[int]], params: SamplingParams, hand_off_after_prefill: bool = False
+    ) -> None:
+        if request_id in self._seqs or request_id in self._held or request_id in self._reserved:
             raise RequestError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -104,7 +109,8 @@ class LLMEngine:
         else:
             prompt_ids = list(prompt)
         self.validate_prompt(prompt_ids)
-        seq = Sequence(request_id, prompt_ids, params.with_seed(), arrival_time_s=time.monotonic())
+        seq = Sequence(request_id, prompt_ids, params.with_seed(), arrival_time_s=time.monotonic(),
+                       hand_off_after_prefill=hand_off_after_prefill)
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
@@ -125,12 +131,68 @@ class LLMEngine:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens needs {blocks} KV blocks; the cache holds {self.allocator.num_blocks}")
 
     def abort(self, request_id: str) -> bool:
+        """Stops a request wherever it is (queued, running, held for handoff, or reserved) and frees its blocks."""
+        if self.release_kv(request_id) or self.cancel_reservation(request_id):
+            return True
         seq = self._seqs.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
         return True
+
+    # -- KV handoff, prefill side: the blocks stay ours until the receiver is done with them ------
+
+    def export_kv(self, request_id: str, layers: slice = slice(None)) -> torch.Tensor:
+        """The prompt's KV of a handed-off request, `[layers, 2, blocks, block, kv_heads, head_dim]`."""
+        seq = self._held[request_id]
+        return self.kv_cache.export_blocks(seq.block_ids[: self.allocator.blocks_needed(seq.num_prompt_tokens)], layers)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Frees a handed-off request's blocks (the receiver acknowledged, or its lease expired)."""
+        seq = self._held.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        return seq is not None
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        return list(self._held)
+
+    # -- KV handoff, decode side: reserve first, so arriving KV always has room -------------------
+
+    def reserve_kv(self, request_id: str, num_prompt_tokens: int) -> list[int]:
+        """Blocks for a prompt's incoming KV plus its first output token; raises OutOfBlocksError."""
+        if request_id in self._seqs or request_id in self._reserved:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        blocks = self.allocator.allocate(self.allocator.blocks_needed(num_prompt_tokens + 1))
+        self._reserved[request_id] = (blocks, num_prompt_tokens)
+        return blocks
+
+    def import_kv(self, request_id: str, data: torch.Tensor, layers: slice = slice(None)) -> None:
+        blocks, num_prompt_tokens = self._reserved[request_id]
+        self.kv_cache.import_blocks(blocks[: self.allocator.blocks_needed(num_prompt_tokens)], data, layers)
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:
+            self.allocator.free(reserved[0])
+        return reserved is not None
+
+    def start_decode(self, request_id: str, prompt_ids: Seq[int], first_token_id: int, params: SamplingParams) -> None:
+        """Admits a request whose prompt KV has been imported and whose first token was sampled elsewhere."""
+        blocks, num_prompt_tokens = self._reserved.pop(request_id)
+        if num_prompt_tokens != len(prompt_ids):
+            self.allocator.free(blocks)
+            raise RequestError(f"reserved KV for {num_prompt_tokens} prompt tokens, got a prompt of {len(prompt_ids)}")
+        seq = Sequence(request_id, list(prompt_ids), params, output_token_ids=[first_token_id], block_ids=blocks,
+                       num_computed_tokens=num_prompt_tokens, arrival_time_s=time.monotonic())
+        self._seqs[request_id] = seq
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+            detok.add_token(first_token_id)  # its text was streamed by the prefill side
+            self._detokenizers[request_id] = detok
+        self.scheduler.add_running(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -160,12 +222,17 @@ class LLMEngine:
             text = detok.add_token(token)
             if detok.stop_string is not None:
                 reason = FinishReason.STOP
-        if reason is None and batch.is_prefill:
-            self.scheduler.start_running(seq)
         output = RequestOutput(
             seq.request_id, [token], text, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids), num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
         )
+        if reason is None and batch.is_prefill:
+            if seq.hand_off_after_prefill:
+                self._held[seq.request_id] = self._seqs.pop(seq.request_id)
+                self._detokenizers.pop(seq.request_id, None)
+                output.handed_off = True
+            else:
+                self.scheduler.start_running(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             output.finished, output.finish_reason = True, reason.value

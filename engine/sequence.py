@@ -33,6 +33,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: Optional[FinishReason] = None
     arrival_time_s: float = 0.0
+    # Disaggregated prefill: after the first token, keep the KV for a handoff instead of decoding.
+    hand_off_after_prefill: bool = False
 
     @property
     def token_ids(self) -> list[int]:
