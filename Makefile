@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test bench setup clean
 
-$(VENV)/.bootstrapped: pyproject.toml scripts/bootstrap.sh
+$(VENV)/.bootstrapped: pyproject.toml scripts/bootstrap.sh proto/build.py $(wildcard proto/pdserve/v1/*.proto)
 	bash scripts/bootstrap.sh $(VENV)
 
 setup: $(VENV)/.bootstrapped

@@ -1,13 +1,10 @@
-"""Model configuration: one frozen dataclass, resolved once when weights are loaded."""
+"""Model configuration: one frozen dataclass, resolved once when weights are loaded. No torch."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
-
-import torch
-
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -52,9 +49,9 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        element_bytes = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_bytes
+    def kv_bytes_per_token(self, dtype) -> int:
+        """KV bytes one token occupies across all layers, for a torch dtype (anything with `itemsize`)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

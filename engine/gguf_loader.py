@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
 from engine.config import ModelConfig
 
@@ -96,8 +95,9 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
-def iter_hf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, "torch.Tensor"]]:
     """(HF parameter name, fp32 tensor) for every weight in the file."""
+    import torch
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:

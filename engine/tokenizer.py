@@ -251,3 +251,19 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer of a model spec (`default`, a .gguf file or an HF directory), without torch."""
+    from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, default_model_path
+
+    path = default_model_path() if spec == DEFAULT_MODEL_NAME else Path(spec).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {spec!r} does not exist")
+    if path.is_dir():
+        from engine.hf_loader import read_generation_eos
+
+        return Tokenizer.from_hf_dir(path, read_generation_eos(path))
+    from engine import gguf_loader
+
+    return Tokenizer.from_gguf_fields(gguf_loader.read_fields(gguf_loader.open_gguf(path)))

