@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its progress bar with tqdm directly
 
 import torch
 
@@ -191,14 +192,31 @@ def random_prompts(rng: random.Random, num_prompts: int, num_tokens: int) -> lis
 
 
 def warm_up(engine) -> None:
+    """Every timed shape once (short outputs), so no kernel set-up lands in the first repeat."""
     rng = random.Random(SEED - 1)  # ids of their own: no timed prompt is ever seen twice
-    engine.first_token(random_prompts(rng, 1, 128)[0])
-    engine.stream(random_prompts(rng, 1, STREAM_PROMPT_TOKENS)[0], 8)
-    engine.batch(random_prompts(rng, 4, BATCH_PROMPT_TOKENS), 4)
+    for num_tokens in TTFT_PROMPT_TOKENS:
+        engine.first_token(random_prompts(rng, 1, num_tokens)[0])
+    engine.stream(random_prompts(rng, 1, STREAM_PROMPT_TOKENS)[0], 16)
+    engine.batch(random_prompts(rng, BATCH_SIZE, BATCH_PROMPT_TOKENS), 8)
+
+
+def machine_busy_s() -> Optional[float]:
+    """CPU seconds all processes have spent busy since boot (None where /proc/stat is missing)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle_ticks = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle_ticks) / os.sysconf("SC_CLK_TCK")
 
 
 def measure_once(engine, rng_seed: int) -> tuple[dict[str, float], list[int]]:
-    """One sample of every metric; also the first greedy token of each TTFT prompt."""
+    """One sample of every metric; also the first greedy token of each TTFT prompt.
+
+    `others_cpu_share` is the fraction of the machine's CPU time that other processes used meanwhile:
+    on a shared machine it says how far to trust the sample.
+    """
+    start_wall_s, start_own_s, start_busy_s = time.perf_counter(), time.process_time(), machine_busy_s()
     rng = random.Random(rng_seed)
     sample: dict[str, float] = {}
     first_tokens = []
@@ -217,6 +235,9 @@ def measure_once(engine, rng_seed: int) -> tuple[dict[str, float], list[int]]:
     if num_tokens != BATCH_SIZE * BATCH_OUTPUT_TOKENS:
         raise RuntimeError(f"{engine.name} produced {num_tokens} tokens, asked for {BATCH_SIZE * BATCH_OUTPUT_TOKENS}")
     sample["throughput_tok_s"] = num_tokens / wall_s
+    if start_busy_s is not None:
+        others_s = machine_busy_s() - start_busy_s - (time.process_time() - start_own_s)
+        sample["others_cpu_share"] = max(0.0, others_s) / ((time.perf_counter() - start_wall_s) * os.cpu_count())
     return sample, first_tokens
 
 
@@ -237,7 +258,7 @@ def bench_dtype(dtype: str, repeats: int) -> dict:
         for engine in order:
             sample, first_tokens[engine.name] = measure_once(engine, SEED + repeat)
             samples[engine.name].append(sample)
-            print(f"[{dtype}] repeat {repeat + 1}/{repeats} {engine.name}: " + ", ".join(f"{k}={v:.1f}" for k, v in sample.items()), flush=True)
+            print(f"[{dtype}] repeat {repeat + 1}/{repeats} {engine.name}: " + ", ".join(f"{k}={v:.2f}" for k, v in sample.items()), flush=True)
         ours, ref = (first_tokens[engine.name] for engine in engines)
         agree += sum(a == b for a, b in zip(ours, ref))
         total += len(ours)
@@ -316,6 +337,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     for dtype, result in results.items():
         agree, total = result["first_token_agreement"]
         print(f"{dtype}: the first greedy token agrees on {agree}/{total} TTFT prompts.")
+        shares = {name: [f"{s['others_cpu_share']:.0%}" for s in runs if "others_cpu_share" in s] for name, runs in result["samples"].items()}
+        print(f"{dtype}: share of the machine's CPU other processes used, per repeat: "
+              + "; ".join(f"{name} {', '.join(values)}" for name, values in shares.items()))
     if args.json:
         args.json.write_text(json.dumps({"environment": env, "results": results}, indent=2))
         print(f"wrote {args.json}")

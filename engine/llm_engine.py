@@ -93,14 +93,13 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, Sequence] = {}  # prefilled, KV kept until the handoff is released
-        self._reserved: dict[str, tuple[list[int], int]] = {}  # blocks awaiting incoming KV, prompt tokens
 
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(
         self, request_id: str, prompt: Union[str, Seq[int]], params: SamplingParams, hand_off_after_prefill: bool = False
     ) -> None:
-        if request_id in self._seqs or request_id in self._held or request_id in self._reserved:
+        if request_id in self._seqs or request_id in self._held:
             raise RequestError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -131,8 +130,8 @@ class LLMEngine:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens needs {blocks} KV blocks; the cache holds {self.allocator.num_blocks}")
 
     def abort(self, request_id: str) -> bool:
-        """Stops a request wherever it is (queued, running, held for handoff, or reserved) and frees its blocks."""
-        if self.release_kv(request_id) or self.cancel_reservation(request_id):
+        """Stops a request wherever it is (queued, running or held for handoff) and frees its blocks."""
+        if self.release_kv(request_id):
             return True
         seq = self._seqs.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
@@ -155,38 +154,29 @@ class LLMEngine:
             self.scheduler.finish(seq, FinishReason.ABORT)
         return seq is not None
 
+    def detach_kv(self, request_id: str) -> list[int]:
+        """Hands a held request's prompt blocks (and their references) over to the caller, e.g. a
+        `kvtransfer` sender, which must free them through `allocator` when it is done."""
+        seq = self._held.pop(request_id)
+        return seq.block_ids[: self.allocator.blocks_needed(seq.num_prompt_tokens)]
+
     @property
     def held_request_ids(self) -> list[str]:
         return list(self._held)
 
-    # -- KV handoff, decode side: reserve first, so arriving KV always has room -------------------
+    # -- KV handoff, decode side ---------------------------------------------------------------
 
-    def reserve_kv(self, request_id: str, num_prompt_tokens: int) -> list[int]:
-        """Blocks for a prompt's incoming KV plus its first output token; raises OutOfBlocksError."""
-        if request_id in self._seqs or request_id in self._reserved:
+    def start_decode(
+        self, request_id: str, prompt_ids: Seq[int], first_token_id: int, params: SamplingParams, block_ids: list[int]
+    ) -> None:
+        """Admits a request whose prompt KV sits in `block_ids` (whose references pass to the engine)
+        and whose first token was sampled elsewhere; it joins the running batch at the next step."""
+        if request_id in self._seqs:
             raise RequestError(f"request_id {request_id!r} is already in use")
-        blocks = self.allocator.allocate(self.allocator.blocks_needed(num_prompt_tokens + 1))
-        self._reserved[request_id] = (blocks, num_prompt_tokens)
-        return blocks
-
-    def import_kv(self, request_id: str, data: torch.Tensor, layers: slice = slice(None)) -> None:
-        blocks, num_prompt_tokens = self._reserved[request_id]
-        self.kv_cache.import_blocks(blocks[: self.allocator.blocks_needed(num_prompt_tokens)], data, layers)
-
-    def cancel_reservation(self, request_id: str) -> bool:
-        reserved = self._reserved.pop(request_id, None)
-        if reserved is not None:
-            self.allocator.free(reserved[0])
-        return reserved is not None
-
-    def start_decode(self, request_id: str, prompt_ids: Seq[int], first_token_id: int, params: SamplingParams) -> None:
-        """Admits a request whose prompt KV has been imported and whose first token was sampled elsewhere."""
-        blocks, num_prompt_tokens = self._reserved.pop(request_id)
-        if num_prompt_tokens != len(prompt_ids):
-            self.allocator.free(blocks)
-            raise RequestError(f"reserved KV for {num_prompt_tokens} prompt tokens, got a prompt of {len(prompt_ids)}")
-        seq = Sequence(request_id, list(prompt_ids), params, output_token_ids=[first_token_id], block_ids=blocks,
-                       num_computed_tokens=num_prompt_tokens, arrival_time_s=time.monotonic())
+        if len(block_ids) < self.allocator.blocks_needed(len(prompt_ids)):
+            raise RequestError(f"{len(block_ids)} KV blocks cannot hold a prompt of {len(prompt_ids)} tokens")
+        seq = Sequence(request_id, list(prompt_ids), params, output_token_ids=[first_token_id], block_ids=list(block_ids),
+                       num_computed_tokens=len(prompt_ids), arrival_time_s=time.monotonic())
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)

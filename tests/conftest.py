@@ -1,5 +1,7 @@
 import os
 
+# Keep every Ray server of the test run on loopback; Ray reads this when it is first imported.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from engine.block_manager import OutOfBlocksError
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 
@@ -14,13 +13,13 @@ def _disaggregated(prefill, decode, prompt_ids, params, layer_groups=1):
     if first.finished:
         return first.new_token_ids
     assert first.handed_off and prefill.held_request_ids == ["r"]
-    decode.reserve_kv("r", len(prompt_ids))
+    reserved = decode.allocator.allocate(decode.allocator.blocks_needed(len(prompt_ids)))
     layers = prefill.model_config.num_layers
     bounds = torch.linspace(0, layers, layer_groups + 1).long().tolist()
     for begin, end in zip(bounds, bounds[1:]):  # layer-wise, as a streaming transport would
-        decode.import_kv("r", prefill.export_kv("r", slice(begin, end)), slice(begin, end))
+        decode.kv_cache.import_blocks(reserved, prefill.export_kv("r", slice(begin, end)), slice(begin, end))
     assert prefill.release_kv("r")  # the receiver acknowledged
-    decode.start_decode("r", prompt_ids, first.new_token_ids[0], params)
+    decode.start_decode("r", prompt_ids, first.new_token_ids[0], params, reserved)
     tokens = list(first.new_token_ids)
     for output in decode.run_until_done():
         tokens += output.new_token_ids
@@ -43,19 +42,18 @@ def test_prefill_here_decode_there_equals_one_engine(smollm_fp32, dtype):
         assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
-def test_reservations_and_held_kv_are_freed_by_abort_and_cancel():
+def test_held_kv_is_freed_by_abort_or_handed_over_by_detach():
     from engine.weights import load_model
 
     loaded = load_model("dummy:tiny", torch.float32)
     prefill = LLMEngine(EngineConfig(block_size_tokens=8), loaded=loaded)
-    decode = LLMEngine(EngineConfig(block_size_tokens=8, kv_cache_bytes=4 * prefill.layout.bytes_per_block), loaded=loaded)
-    prefill.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0), hand_off_after_prefill=True)
+    for request_id in ("a", "b"):
+        prefill.add_request(request_id, list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0), hand_off_after_prefill=True)
     prefill.step()
-    assert prefill.allocator.num_free_blocks < prefill.allocator.num_blocks
-    assert prefill.abort("a") and prefill.allocator.num_free_blocks == prefill.allocator.num_blocks
-    with pytest.raises(OutOfBlocksError):
-        decode.reserve_kv("too-big", 40)  # 6 blocks of 8 needed, 4 exist
-    decode.reserve_kv("b", 20)
-    assert decode.allocator.num_free_blocks == 1
-    assert decode.cancel_reservation("b") and not decode.cancel_reservation("b")
-    assert decode.allocator.num_free_blocks == decode.allocator.num_blocks
+    assert sorted(prefill.held_request_ids) == ["a", "b"]
+    assert prefill.abort("a") and not prefill.abort("a")
+    blocks = prefill.detach_kv("b")
+    assert len(blocks) == 5 and prefill.held_request_ids == []
+    assert prefill.allocator.num_free_blocks == prefill.allocator.num_blocks - 5
+    prefill.allocator.free(blocks)  # what the sender does once the receiver acknowledged
+    assert prefill.allocator.num_free_blocks == prefill.allocator.num_blocks

@@ -1,0 +1,174 @@
+"""The decode worker: reserves KV blocks before a transfer starts, installs arriving KV, admits each
+request into its running batch (continuous batching) and streams its tokens.
+
+A disaggregated request arrives in three calls from the router, in this order:
+`reserve` (blocks set aside, with a deadline) -> `deliver` (routed transports only) -> `generate`
+(the token stream). The KV may become ready before or after `generate` starts; either way the
+request joins the batch at the next step once both have happened. Ready KV that nobody claims
+within the reservation's deadline is freed. In colocated mode `generate_colocated` runs the whole
+request here. Everything touching the engine runs on its loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional, Sequence
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import EngineConfig, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.worker_messages import TokenChunk, WorkerInfo, WorkerLoad
+from engine.worker_runtime import node_name, start_engine
+from kvtransfer.errors import KVTransferError
+from kvtransfer.registry import create_receiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Awaiting:  # generate() was called; the KV is not ready yet
+    prompt_ids: list[int]
+    first_token_id: int
+    params: SamplingParams
+
+
+@dataclass
+class _Ready:  # the KV is ready; generate() has not been called yet
+    block_ids: list[int]
+    deadline_s: float
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, config: EngineConfig, transport: str, kv_host: str = "127.0.0.1",
+                 role: str = "decode"):
+        self.worker_id = worker_id
+        self.role = role
+        self.engine = start_engine(config)
+        receiver_options = {"host": kv_host, "port": 0} if transport == "grpc" else {}
+        self.receiver = create_receiver(transport, self.engine.kv_cache, self.engine.allocator, **receiver_options)
+        self._awaiting: dict[str, _Awaiting] = {}
+        self._ready: dict[str, _Ready] = {}
+        self._timeouts_s: dict[str, float] = {}
+        self._kv_ready_wall_s: dict[str, float] = {}  # reported once, on the request's first chunk
+        self._served = 0
+        self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output)
+        self.loop.expecting_events = lambda: self.receiver.reservations.num_reserved_requests > 0
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.role, node_name(), self.receiver.address, self.engine.allocator.num_blocks,
+                          self.engine.model_config.max_context_tokens, self.engine.model_config.vocab_size)
+
+    # -- disaggregated path --------------------------------------------------------------------
+
+    async def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float) -> None:
+        """Sets blocks aside for a prompt's KV; raises OutOfBlocksError when they are not free."""
+        def reserve() -> None:
+            self.receiver.reserve(request_id, self.engine.allocator.blocks_needed(num_prompt_tokens), timeout_s)
+            self._timeouts_s[request_id] = timeout_s
+
+        await self.loop.call(reserve)
+
+    async def deliver(self, deliveries: Sequence) -> None:
+        for delivery in deliveries:  # a failure is reported to the request's stream by the next poll
+            try:
+                await asyncio.to_thread(self.receiver.deliver, delivery)
+            except KVTransferError as error:
+                log.warning("KV delivery failed: %s", error)
+                return
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], first_token_id: int,
+                       params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        outputs = self.loop.listen(request_id)
+        await self.loop.call(lambda: self._admit(request_id, _Awaiting(list(prompt_ids), first_token_id, params)))
+        async for chunk in self._stream(request_id, outputs):
+            yield chunk
+
+    # -- colocated path ------------------------------------------------------------------------
+
+    async def generate_colocated(self, request_id: str, prompt_ids: Sequence[int],
+                                 params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        outputs = self.loop.listen(request_id)
+        await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params))
+        async for chunk in self._stream(request_id, outputs):
+            yield chunk
+
+    # -- both ----------------------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.loop.call(lambda: self._abort(request_id))
+
+    async def load(self) -> WorkerLoad:
+        return await self.loop.call(self._load)
+
+    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[TokenChunk]:
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    item = TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
+                finished = item.finish_reason is not None or item.error is not None
+                yield item
+        finally:
+            self.loop.unlisten(request_id)
+            if not finished:  # the consumer went away: stop the request and free its blocks
+                await self.loop.call(lambda: self._abort(request_id))
+
+    # -- loop thread ---------------------------------------------------------------------------
+
+    def _admit(self, request_id: str, request: _Awaiting) -> None:
+        ready = self._ready.pop(request_id, None)
+        if ready is None:
+            self._awaiting[request_id] = request
+            return
+        self.engine.start_decode(request_id, request.prompt_ids, request.first_token_id, request.params, ready.block_ids)
+
+    def _poll_receiver(self) -> None:
+        events = self.receiver.poll()
+        now = time.monotonic()
+        for request_id, block_ids in events.ready.items():
+            self._kv_ready_wall_s[request_id] = time.time()
+            timeout_s = self._timeouts_s.pop(request_id, 30.0)
+            waiting = self._awaiting.pop(request_id, None)
+            if waiting is None:
+                self._ready[request_id] = _Ready(block_ids, now + timeout_s)
+            else:
+                self.engine.start_decode(request_id, waiting.prompt_ids, waiting.first_token_id, waiting.params, block_ids)
+        for request_id, error in events.failed:
+            self._timeouts_s.pop(request_id, None)
+            self._awaiting.pop(request_id, None)
+            self.loop.publish(request_id, TokenChunk(request_id, (), error=f"KV transfer failed: {error}"))
+        for request_id in [r for r, ready in self._ready.items() if ready.deadline_s <= now]:
+            log.warning("KV of request %s was never claimed; freeing it", request_id)
+            self.engine.allocator.free(self._ready.pop(request_id).block_ids)
+
+    def _abort(self, request_id: str) -> bool:
+        found = self.engine.abort(request_id) | self.receiver.abort(request_id)
+        self._awaiting.pop(request_id, None)
+        self._timeouts_s.pop(request_id, None)
+        self._kv_ready_wall_s.pop(request_id, None)
+        ready = self._ready.pop(request_id, None)
+        if ready is not None:
+            self.engine.allocator.free(ready.block_ids)
+            found = True
+        if found:
+            self.loop.publish(request_id, TokenChunk(request_id, (), finish_reason="abort"))
+        return found
+
+    def _on_output(self, output: RequestOutput) -> TokenChunk:
+        if output.finished:
+            self._served += 1
+        return TokenChunk(
+            output.request_id, tuple(output.new_token_ids), output.finish_reason,
+            kv_ready_wall_s=self._kv_ready_wall_s.pop(output.request_id, None),
+            num_prompt_tokens=output.num_prompt_tokens, num_cached_prompt_tokens=output.num_cached_prompt_tokens,
+        )
+
+    def _load(self) -> WorkerLoad:
+        scheduler = self.engine.scheduler
+        return WorkerLoad(self.worker_id, len(scheduler.running), len(scheduler.waiting) + len(self._awaiting),
+                          self.engine.allocator.num_free_blocks, self.engine.allocator.num_blocks,
+                          self._served, self.loop.max_batch_size_seen)

@@ -1,0 +1,136 @@
+"""Runs an `LLMEngine` on its own thread and bridges it to asyncio callers (the Ray worker actors).
+
+The engine, its allocator and anything else registered as a hook are touched only from the loop's
+thread. Callers submit work with `call(fn)` (fn runs on the loop thread, the awaitable gets its
+result) and receive a request's outputs on an asyncio queue opened with `listen(request_id)`.
+
+Each turn of the loop: run submitted calls -> run hooks (transport polls) -> one engine step ->
+hand each output to `on_output` (still on the loop thread), then to the request's listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # with nothing to run, how long to sleep before polling hooks again
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, hooks: tuple[Callable[[], None], ...] = (),
+                 on_output: Optional[Callable[[RequestOutput], Any]] = None, busy_wait_s: float = 0.002):
+        self.engine = engine
+        self._hooks = hooks
+        self._on_output = on_output
+        self._busy_wait_s = busy_wait_s  # sleep between polls while hooks expect events (transfers)
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._listeners_lock = threading.Lock()
+        self._stopped = False
+        self.expecting_events: Callable[[], bool] = lambda: False
+        self.max_batch_size_seen = 0
+        self.num_steps = 0
+        self.last_step_s = 0.0  # duration of the latest engine step (the prefill time of its outputs)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side --------------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((fn, loop, future))
+        self._wake.set()
+        return future
+
+    def listen(self, request_id: str) -> asyncio.Queue:
+        outputs: asyncio.Queue = asyncio.Queue()
+        with self._listeners_lock:
+            self._listeners[request_id] = (asyncio.get_running_loop(), outputs)
+        return outputs
+
+    def unlisten(self, request_id: str) -> None:
+        with self._listeners_lock:
+            self._listeners.pop(request_id, None)
+
+    def publish(self, request_id: str, item: Any) -> None:
+        """Sends an item to a request's listener from the loop thread (outputs, errors, events)."""
+        with self._listeners_lock:
+            listener = self._listeners.get(request_id)
+        if listener is not None:
+            loop, outputs = listener
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- loop thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._run_calls()
+            for hook in self._hooks:
+                try:
+                    hook()
+                except Exception:  # a broken hook must not kill every request on this worker
+                    log.exception("engine loop hook %s failed", getattr(hook, "__name__", hook))
+            if self.engine.has_unfinished():
+                self._step()
+            else:
+                self._wake.wait(self._busy_wait_s if self.expecting_events() else _IDLE_WAIT_S)
+                self._wake.clear()
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, loop, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # handed back to the caller, who turns it into a status
+                result, error = None, exc
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def _step(self) -> None:
+        running = len(self.engine.scheduler.running)
+        self.max_batch_size_seen = max(self.max_batch_size_seen, running)
+        started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            log.exception("engine step failed; failing the requests in it")
+            for request_id in [s.request_id for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)]:
+                self.engine.abort(request_id)
+                self.publish(request_id, error)
+            return
+        self.num_steps += 1
+        self.last_step_s = time.monotonic() - started
+        for output in outputs:
+            try:
+                item = self._on_output(output) if self._on_output else output
+            except Exception as error:  # e.g. a KV handoff that could not start: fail this request only
+                log.exception("handling the output of request %s failed", output.request_id)
+                self.engine.abort(output.request_id)
+                item = error
+            self.publish(output.request_id, item)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,58 @@
+"""The small typed messages that cross the router <-> worker boundary. No torch: the router imports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill worker returns as soon as a prompt's first token is sampled."""
+
+    request_id: str
+    worker_id: str
+    first_token_id: int
+    finish_reason: Optional[str]  # set when the request already finished at its first token
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    queue_s: float
+    prefill_s: float
+    kv_bytes: int
+    kv_sent_wall_s: float  # time.time() the KV handoff started (wall clock: comparable across processes)
+    deliveries: tuple[Any, ...] = ()  # routed transport messages (ray: header + ObjectRef); () in-band
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of one request from a decode (or colocated) worker; the last one has a finish reason."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None  # the request failed on the worker (message says why)
+    kv_ready_wall_s: Optional[float] = None  # time.time() the KV became ready (first chunk, disaggregated)
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str  # "prefill", "decode" or "colocated"
+    node: str
+    kv_address: Optional[str]  # where KV senders reach this worker (grpc transport), else None
+    kv_blocks_total: int
+    max_context_tokens: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    running_requests: int
+    waiting_requests: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    requests_served: int
+    max_batch_size_seen: int

@@ -1,0 +1,46 @@
+"""What every worker actor does at start-up: size torch's threads to the CPUs Ray granted, build the
+engine, and describe itself."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+def granted_cpus() -> int:
+    """The CPUs Ray gave this actor (1 outside Ray)."""
+    try:
+        import ray
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    except Exception:  # not inside a Ray worker
+        cpus = 1
+    return max(1, int(cpus))
+
+
+def start_engine(config: EngineConfig) -> LLMEngine:
+    # Two torch processes each spinning two threads on two cores slow decode 10-20x (DESIGN.md):
+    # a worker uses exactly the CPUs it was granted.
+    threads = granted_cpus()
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    engine = LLMEngine(EngineConfig(**{**config.__dict__, "num_threads": threads}))
+    log.info("engine ready: model %s, %s, %d threads, %d KV blocks", config.model, config.dtype, threads,
+             engine.allocator.num_blocks)
+    return engine
+
+
+def node_name() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()[:12]
+    except Exception:
+        return socket.gethostname()

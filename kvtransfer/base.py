@@ -1,0 +1,140 @@
+"""The two interfaces of a KV handoff: `KVSender` on the prefill side, `KVReceiver` on the decode side.
+
+A handoff moves one request's KV blocks, whole or as layer groups, from a sender's paged cache into
+blocks the receiver reserved for it. Ownership is explicit at every step:
+
+Sender (prefill worker)
+    start(request_id, block_ids, destination, lease_s)
+        The sender takes over the caller's references to `block_ids`; it gives them back to its
+        allocator exactly once: on acknowledgement, on abort, or when the lease expires.
+    send_layers(request_id, layers) -> Optional[KVDelivery]
+        Ships layers as soon as they are computed (or all of them at once). The payload is copied out
+        of the cache before this returns, so the cache may be written again. A returned delivery (ray)
+        is a small message the caller routes to the receiver's `deliver`; None means it went in-band.
+    acknowledge(request_id)     the receiver installed everything: blocks are freed.
+    abort(request_id)           blocks freed now; the receiver learns in-band (grpc) or through the
+                                caller, who calls the receiver's `abort` (ray).
+    poll() -> SenderEvents      settles in-band acks and failures and expired leases, freeing blocks.
+
+Receiver (decode worker)
+    reserve(request_id, num_blocks, timeout_s) -> block ids
+        Allocates the blocks before any KV is sent; if not all layers arrive and verify within
+        `timeout_s`, the reservation expires and its blocks are freed at the next `poll`.
+    deliver(delivery)           installs a routed delivery (ray); in-band transports install by themselves.
+    poll() -> ReceiverEvents    ready requests (every layer arrived, every checksum verified) pass their
+                                block ids to the caller, who owns them from then on; failed, aborted
+                                and expired requests have their blocks freed.
+    abort(request_id)           frees the reservation now; the sender learns in-band (grpc) or through
+                                the caller, who calls the sender's `abort` (ray).
+
+Both sides touch their allocator only from the thread that calls these methods; transport threads
+only write into reserved blocks and note events for `poll`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional, Sequence
+
+import torch
+
+from engine.block_manager import BlockAllocator
+from engine.kv_cache import KVLayout, PagedKVCache
+from kvtransfer.buffers import BufferPool, export_blocks_into
+from kvtransfer.errors import KVTransferError
+from kvtransfer.leases import HeldRequest, SenderEvents, SenderLedger
+from kvtransfer.reservations import ReceiverEvents, Reservations
+from kvtransfer.wire import KVGroupHeader, as_bytes_view, checksum
+
+KVDelivery = Any  # a transport's routed message (ray: `RayKVDelivery`); opaque to the caller
+
+DEFAULT_LEASE_S = 30.0
+
+
+class KVSender(ABC):
+    def __init__(self, cache: PagedKVCache, allocator: BlockAllocator, sender_id: str, epoch: int):
+        self.cache = cache
+        self.layout: KVLayout = cache.layout
+        self.sender_id = sender_id
+        self.epoch = epoch
+        self.ledger = SenderLedger(allocator)
+        self._staging = BufferPool()
+
+    @abstractmethod
+    def start(self, request_id: str, block_ids: Sequence[int], destination: Optional[str] = None,
+              lease_s: float = DEFAULT_LEASE_S) -> None:
+        ...
+
+    @abstractmethod
+    def send_layers(self, request_id: str, layers: slice = slice(None)) -> Optional[KVDelivery]:
+        ...
+
+    def acknowledge(self, request_id: str) -> None:
+        self._drop(self.ledger.release(request_id), aborted=False)
+
+    def abort(self, request_id: str) -> None:
+        self._drop(self.ledger.release(request_id), aborted=True)
+
+    def poll(self) -> SenderEvents:
+        acknowledged, failed, expired = self.ledger.settle()
+        for held in expired:
+            self._drop(held, aborted=True)
+        return SenderEvents(tuple(acknowledged), tuple(failed))
+
+    def close(self) -> None:
+        for request_id in self.ledger.request_ids():
+            self.abort(request_id)
+
+    def _drop(self, held: Optional[HeldRequest], aborted: bool) -> None:
+        """Tear down a released request's transport state (close its stream, drop its refs) and, if
+        `aborted`, tell the receiver where the transport can."""
+
+    def _export(self, held: HeldRequest, layers: slice) -> tuple[KVGroupHeader, torch.Tensor, torch.Tensor]:
+        """Copy a layer group into a staging buffer; returns (header, exported tensor, the buffer to
+        release once the payload has been shipped)."""
+        start, stop, step = layers.indices(self.layout.num_layers)
+        if step != 1 or start >= stop:
+            raise ValueError(f"layers must be a non-empty contiguous range, got {layers}")
+        sent = set(range(start, stop))
+        if sent & held.layers_sent:
+            raise ValueError(f"layers [{start}, {stop}) of request {held.request_id!r} were already sent")
+        held.layers_sent |= sent
+        num_bytes = (stop - start) * len(held.block_ids) * self.layout.bytes_per_block_per_layer
+        buffer = self._staging.acquire(num_bytes)
+        data = export_blocks_into(self.cache, held.block_ids, slice(start, stop), buffer)
+        header = KVGroupHeader(held.request_id, self.sender_id, self.epoch, self.layout, start, stop,
+                               len(held.block_ids), num_bytes, checksum(as_bytes_view(data)))
+        return header, data, buffer
+
+    def all_layers_sent(self, held: HeldRequest) -> bool:
+        return len(held.layers_sent) == self.layout.num_layers
+
+
+class KVReceiver(ABC):
+    def __init__(self, cache: PagedKVCache, allocator: BlockAllocator):
+        self.cache = cache
+        self.layout: KVLayout = cache.layout
+        self.reservations = Reservations(cache, allocator)
+
+    @property
+    def address(self) -> Optional[str]:
+        """Where senders reach this receiver (grpc: host:port); None where deliveries are routed."""
+        return None
+
+    def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
+        return self.reservations.reserve(request_id, num_blocks, timeout_s)
+
+    def deliver(self, delivery: KVDelivery) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} receives in-band; nothing to deliver")
+
+    def poll(self) -> ReceiverEvents:
+        return self.reservations.poll()
+
+    def abort(self, request_id: str) -> bool:
+        return self.reservations.abort(request_id)
+
+    def close(self) -> None:
+        self.reservations.cancel_all()
+
+
+__all__ = ["KVSender", "KVReceiver", "KVDelivery", "SenderEvents", "ReceiverEvents", "KVTransferError"]

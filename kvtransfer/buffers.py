@@ -1,0 +1,63 @@
+"""Preallocated, reused byte buffers for staging KV on either end of a transport.
+
+Fresh memory costs 5-40x a copy into touched memory on these machines (page faults dominate), so
+every staging buffer is allocated once, touched, and handed out again for the next transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from engine.kv_cache import PagedKVCache
+
+
+class BufferPool:
+    """Byte buffers (flat uint8 tensors) handed out by `acquire` and returned by `release`.
+
+    A buffer is owned by whoever acquired it until it is released; the pool keeps every buffer it ever
+    made, growing only when no free one is large enough. Thread-safe.
+    """
+
+    def __init__(self, initial_bytes: int = 0, count: int = 1):
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = [self._new(initial_bytes) for _ in range(count) if initial_bytes > 0]
+
+    @staticmethod
+    def _new(num_bytes: int) -> torch.Tensor:
+        buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        buffer.fill_(0)  # touch every page now, not during a transfer
+        return buffer
+
+    def acquire(self, num_bytes: int) -> torch.Tensor:
+        """A buffer of at least `num_bytes`; the caller owns it until `release`."""
+        with self._lock:  # by identity: `==` on tensors compares elements
+            fitting = [i for i, b in enumerate(self._free) if b.numel() >= num_bytes]
+            if fitting:
+                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+            if self._free:  # replace the largest too-small buffer rather than keep both
+                self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+        return self._new(num_bytes)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+
+def export_blocks_into(
+    cache: PagedKVCache, block_ids: Sequence[int], layers: slice, buffer: torch.Tensor
+) -> torch.Tensor:
+    """`cache.export_blocks(block_ids, layers)` written into `buffer` (uint8, large enough) instead of
+    fresh memory; returns the exported tensor, a view of the buffer's head.
+
+    (Candidate for the engine: `PagedKVCache.export_blocks(..., out=...)`.)
+    """
+    source = cache.kv[layers]
+    shape = (source.shape[0], 2, len(block_ids), *source.shape[3:])
+    num_bytes = source.element_size() * shape[0] * 2 * len(block_ids) * source[0, 0, 0].numel()
+    out = buffer[:num_bytes].view(source.dtype).view(shape)
+    index = torch.as_tensor(block_ids, dtype=torch.long)
+    torch.index_select(source, 2, index, out=out)
+    return out

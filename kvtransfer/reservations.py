@@ -1,0 +1,184 @@
+"""The receiver's side of block ownership: reservations that KV layer groups are installed into.
+
+The decode worker reserves a request's blocks (`reserve`, which allocates them) before any KV is sent.
+Transports install verified layer groups into those blocks from any thread (`install`); a request is
+ready only once every layer has arrived and passed its checksum. The allocator is touched only by the
+owner's thread: in `reserve`, `abort` and `poll`. `poll` hands ready requests' blocks to the caller
+(ownership moves; the caller frees them when the sequence ends) and frees the blocks of requests that
+failed, were aborted by the sender, or whose reservation expired.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from engine.block_manager import BlockAllocator
+from engine.kv_cache import PagedKVCache
+from kvtransfer.errors import (
+    ChecksumError,
+    KVTransferError,
+    ReservationExpiredError,
+    TransferAbortedError,
+    UnknownRequestError,
+    WireFormatError,
+)
+from kvtransfer.wire import KVGroupHeader, checksum, payload_as_kv
+
+
+@dataclass
+class _Reservation:
+    request_id: str
+    block_ids: list[int]
+    deadline_s: float
+    layers_arrived: list[bool]
+    sender: Optional[tuple[str, int]] = None  # (sender id, epoch) bound at the first group
+    ready: bool = False
+    error: Optional[KVTransferError] = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class ReceiverEvents:
+    """What `KVReceiver.poll` settled. `ready` maps request id -> block ids now owned by the caller;
+    `failed` requests' blocks were already freed."""
+
+    ready: dict[str, list[int]] = field(default_factory=dict)
+    failed: tuple[tuple[str, KVTransferError], ...] = ()
+
+
+class Reservations:
+    def __init__(self, cache: PagedKVCache, allocator: BlockAllocator, clock: Callable[[], float] = time.monotonic):
+        self.cache = cache
+        self.allocator = allocator
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._by_request: dict[str, _Reservation] = {}
+
+    def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
+        with self._lock:
+            if request_id in self._by_request:
+                raise ValueError(f"request {request_id!r} already holds a KV reservation")
+        block_ids = self.allocator.allocate(num_blocks)
+        reservation = _Reservation(request_id, block_ids, self.clock() + timeout_s,
+                                   [False] * self.cache.layout.num_layers)
+        with self._lock:
+            self._by_request[request_id] = reservation
+        return list(block_ids)
+
+    def _get(self, request_id: str) -> _Reservation:
+        with self._lock:
+            reservation = self._by_request.get(request_id)
+        if reservation is None:
+            raise UnknownRequestError(
+                f"no KV reservation for request {request_id!r} (never reserved, expired or aborted)", request_id)
+        return reservation
+
+    def check(self, header: KVGroupHeader) -> None:
+        """Any thread: reject a group before its payload is read (unknown request, wrong block count,
+        another sender, layers already installed)."""
+        reservation = self._get(header.request_id)
+        with reservation.lock:
+            self._check_locked(reservation, header)
+
+    def _check_locked(self, reservation: _Reservation, header: KVGroupHeader) -> None:
+        if reservation.error is not None:
+            raise reservation.error
+        if reservation.ready:
+            raise WireFormatError(f"request {header.request_id!r} already received all its KV", header.request_id)
+        if self.clock() >= reservation.deadline_s:
+            raise ReservationExpiredError(
+                f"KV reservation for request {header.request_id!r} expired", header.request_id)
+        sender = (header.sender_id, header.sender_epoch)
+        if reservation.sender is not None and reservation.sender != sender:
+            raise TransferAbortedError(
+                f"request {header.request_id!r} is bound to sender {reservation.sender}, not {sender}",
+                header.request_id)
+        if header.num_blocks != len(reservation.block_ids):
+            raise WireFormatError(
+                f"request {header.request_id!r}: {header.num_blocks} blocks sent, "
+                f"{len(reservation.block_ids)} reserved", header.request_id)
+        if any(reservation.layers_arrived[header.layer_start:header.layer_stop]):
+            raise WireFormatError(
+                f"request {header.request_id!r}: layers [{header.layer_start}, {header.layer_stop}) "
+                f"overlap layers already installed", header.request_id)
+
+    def install(self, header: KVGroupHeader, payload: Any, payload_checksum: Optional[int] = None) -> bool:
+        """Any thread: verify one layer group and write it into the reserved blocks; True once the
+        request has all its layers. On a checksum mismatch nothing is written and the request fails.
+        `payload_checksum` is the CRC a transport already computed while receiving, if any."""
+        reservation = self._get(header.request_id)
+        actual = checksum(memoryview(payload)[: header.payload_bytes]) if payload_checksum is None else payload_checksum
+        with reservation.lock:
+            self._check_locked(reservation, header)
+            if actual != header.checksum:
+                reservation.error = ChecksumError(
+                    f"KV payload of request {header.request_id!r}, layers [{header.layer_start}, "
+                    f"{header.layer_stop}): CRC-32 {actual:#010x} != header {header.checksum:#010x}; "
+                    f"nothing installed", header.request_id)
+                raise reservation.error
+            reservation.sender = (header.sender_id, header.sender_epoch)
+            self.cache.import_blocks(reservation.block_ids, payload_as_kv(payload, header), header.layers)
+            reservation.layers_arrived[header.layer_start:header.layer_stop] = [True] * (
+                header.layer_stop - header.layer_start)
+            reservation.ready = all(reservation.layers_arrived)
+            return reservation.ready
+
+    def fail(self, request_id: str, error: KVTransferError, sender: Optional[tuple[str, int]] = None) -> None:
+        """Any thread: mark a request failed (its blocks are freed at the next `poll`). With `sender`,
+        only if the reservation is not bound to another sender (a stale epoch cannot abort it)."""
+        with self._lock:
+            reservation = self._by_request.get(request_id)
+        if reservation is not None:
+            with reservation.lock:
+                other_sender = sender is not None and reservation.sender not in (None, sender)
+                if reservation.error is None and not reservation.ready and not other_sender:
+                    reservation.error = error
+
+    def abort(self, request_id: str) -> bool:
+        """Owner thread: drop a reservation now (ready or not) and free its blocks."""
+        with self._lock:
+            reservation = self._by_request.pop(request_id, None)
+        if reservation is None:
+            return False
+        with reservation.lock:  # waits out an install in progress; later ones find no reservation
+            reservation.error = reservation.error or TransferAbortedError(
+                f"request {request_id!r} aborted by the receiver", request_id)
+            self.allocator.free(reservation.block_ids)
+        return True
+
+    def poll(self) -> ReceiverEvents:
+        """Owner thread: hand over ready requests, free failed and expired ones."""
+        ready: dict[str, list[int]] = {}
+        failed: list[tuple[str, KVTransferError]] = []
+        now = self.clock()
+        with self._lock:
+            reservations = list(self._by_request.values())
+        for reservation in reservations:
+            with reservation.lock:
+                if reservation.ready:
+                    ready[reservation.request_id] = reservation.block_ids
+                elif reservation.error is None and now >= reservation.deadline_s:
+                    arrived = sum(reservation.layers_arrived)
+                    reservation.error = ReservationExpiredError(
+                        f"KV for request {reservation.request_id!r} did not arrive in time "
+                        f"({arrived}/{len(reservation.layers_arrived)} layers); reservation freed",
+                        reservation.request_id)
+                if reservation.error is not None:
+                    self.allocator.free(reservation.block_ids)
+                    failed.append((reservation.request_id, reservation.error))
+                if reservation.ready or reservation.error is not None:
+                    with self._lock:
+                        del self._by_request[reservation.request_id]
+        return ReceiverEvents(ready, tuple(failed))
+
+    def cancel_all(self) -> None:
+        for request_id in list(self._by_request):
+            self.abort(request_id)
+
+    @property
+    def num_reserved_requests(self) -> int:
+        with self._lock:
+            return len(self._by_request)

@@ -1,0 +1,116 @@
+"""Test and benchmark helpers: one end of a handoff (a paged cache and its allocator) with random KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.block_manager import BlockAllocator
+from engine.kv_cache import KVLayout, PagedKVCache
+
+
+@dataclass(frozen=True)
+class KVEnd:
+    cache: PagedKVCache
+    allocator: BlockAllocator
+
+    @classmethod
+    def make(cls, layout: KVLayout, num_blocks: int) -> "KVEnd":
+        return cls(PagedKVCache(layout, num_blocks), BlockAllocator(num_blocks, layout.block_size_tokens,
+                                                                    enable_prefix_caching=False))
+
+    def fill_random(self, block_ids: Sequence[int], seed: int = 0) -> None:
+        """Arbitrary bit patterns (NaNs and infinities included), so equality below is bit equality."""
+        generator = torch.Generator().manual_seed(seed)
+        data = self.cache.export_blocks(block_ids)
+        bits = data.view(torch.uint8)
+        bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=generator))
+        self.cache.import_blocks(block_ids, data)
+
+    def blocks_bytes(self, block_ids: Sequence[int], layers: slice = slice(None)) -> torch.Tensor:
+        return self.cache.export_blocks(block_ids, layers).view(torch.uint8)
+
+    @property
+    def all_free(self) -> bool:
+        return self.allocator.num_free_blocks == self.allocator.num_blocks
+
+
+class KVEndWorker:
+    """One end of a handoff as a Ray actor body (`ray.remote(num_cpus=1)(KVEndWorker)`): a cache, an
+    allocator and a sender or receiver of the named transport. Used by tests and the benchmark."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, transport: str, role: str, torch_threads: int = 1,
+                 **transport_options):
+        from kvtransfer.registry import create_receiver, create_sender
+
+        torch.set_num_threads(torch_threads)
+        self.end = KVEnd.make(layout, num_blocks)
+        if role == "sender":
+            self.side = create_sender(transport, self.end.cache, self.end.allocator, "prefill-test", 1,
+                                      **transport_options)
+        else:
+            self.side = create_receiver(transport, self.end.cache, self.end.allocator, **transport_options)
+
+    def address(self):
+        return self.side.address
+
+    def allocate_random(self, num_blocks: int, seed: int = 0) -> list[int]:
+        block_ids = self.end.allocator.allocate(num_blocks)
+        self.end.fill_random(block_ids, seed)
+        return block_ids
+
+    def digest(self, block_ids: Sequence[int]) -> int:
+        import zlib
+
+        return zlib.crc32(self.end.blocks_bytes(block_ids).numpy())
+
+    def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
+        return self.side.reserve(request_id, num_blocks, timeout_s)
+
+    def start(self, request_id: str, block_ids, destination=None, lease_s: float = 30.0) -> None:
+        self.side.start(request_id, block_ids, destination, lease_s)
+
+    def send(self, request_id: str, layer_start: int, layer_stop: int):
+        return self.side.send_layers(request_id, slice(layer_start, layer_stop))
+
+    def deliver(self, delivery):
+        """The receiver's `deliver`, with the error returned as (type name, message) instead of raised."""
+        try:
+            return self.side.deliver(delivery)
+        except Exception as error:  # the test asserts on it
+            return type(error).__name__, str(error)
+
+    def wait_settled(self, request_id: str, timeout_s: float):
+        """Poll until the request settles: ("ready", block ids) / ("acknowledged", None) /
+        (error type name, message), or ("pending", None) at the timeout."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            events = self.side.poll()
+            if request_id in getattr(events, "ready", {}):
+                return "ready", events.ready[request_id]
+            if request_id in getattr(events, "acknowledged", ()):
+                return "acknowledged", None
+            for failed_id, error in events.failed:
+                if failed_id == request_id:
+                    return type(error).__name__, str(error)
+            time.sleep(0.001)
+        return "pending", None
+
+    def acknowledge(self, request_id: str) -> None:
+        self.side.acknowledge(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.side.abort(request_id)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        self.end.allocator.free(block_ids)
+
+    def free_and_total_blocks(self) -> tuple[int, int]:
+        return self.end.allocator.num_free_blocks, self.end.allocator.num_blocks
+
+    def close(self) -> None:
+        self.side.close()

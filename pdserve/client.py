@@ -1,0 +1,96 @@
+"""A small Python client for a running pdserve server (gRPC)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Optional["pb.Usage"] = None
+    timings: Optional["pb.Timings"] = None
+    first_token_at_s: Optional[float] = None  # client clock (time.monotonic) when the first token arrived
+    sent_at_s: float = 0.0
+    decode_worker: str = ""
+    prefill_worker: str = ""
+
+
+class PdserveClient:
+    def __init__(self, host: str = "127.0.0.1", port: int = 50051, timeout_s: Optional[float] = None):
+        self.channel = grpc.insecure_channel(f"{host}:{port}")
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "PdserveClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def request(prompt: Optional[str] = None, *, messages: Optional[Sequence[dict]] = None,
+                token_ids: Optional[Sequence[int]] = None, request_id: str = "", **sampling) -> "pb.GenerateRequest":
+        request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
+        if messages is not None:
+            request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        elif token_ids is not None:
+            request.token_ids.ids.extend(token_ids)
+        elif prompt is not None:
+            request.text = prompt
+        return request
+
+    def stream(self, request: "pb.GenerateRequest") -> Iterator["pb.GenerateResponse"]:
+        return self.stub.Generate(request, timeout=self.timeout_s)
+
+    def generate(self, request: "pb.GenerateRequest") -> Completion:
+        done = Completion(sent_at_s=time.monotonic())
+        for response in self.stream(request):
+            if response.token_ids and done.first_token_at_s is None:
+                done.first_token_at_s = time.monotonic()
+            done.request_id = response.request_id
+            done.text += response.text
+            done.token_ids += list(response.token_ids)
+            if response.finish_reason:
+                done.finish_reason = response.finish_reason
+                done.usage, done.timings = response.usage, response.timings
+                done.decode_worker, done.prefill_worker = response.decode_worker, response.prefill_worker
+        return done
+
+    def chat(self, content: str, **sampling) -> Completion:
+        return self.generate(self.request(messages=[{"role": "user", "content": content}], **sampling))
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10).found
+
+    def stats(self) -> "pb.GetStatsResponse":
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=30)
+
+    def is_serving(self) -> bool:
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.is_serving():
+                return True
+            time.sleep(0.25)
+        return False

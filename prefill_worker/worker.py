@@ -1,0 +1,111 @@
+"""The prefill worker: runs prompts (batched, chunked), samples each first token, returns it at once
+and hands the prompt's KV to its `kvtransfer` sender.
+
+Ownership: after prefill the engine detaches the request's blocks and the sender owns them until the
+decode side acknowledges (the router calls `acknowledge`), the request is aborted, or the lease
+expires (`kvtransfer` frees them then). Everything touching the engine runs on its loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import EngineConfig, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.worker_messages import PrefillResult, WorkerInfo, WorkerLoad
+from engine.worker_runtime import node_name, start_engine
+from kvtransfer.registry import create_sender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefilling:
+    destination: Optional[str]
+    arrival_s: float
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, config: EngineConfig, transport: str, epoch: int, kv_lease_s: float = 30.0):
+        self.worker_id = worker_id
+        self.engine = start_engine(config)
+        self.kv_lease_s = kv_lease_s
+        self.sender = create_sender(transport, self.engine.kv_cache, self.engine.allocator, worker_id, epoch)
+        self._requests: dict[str, _Prefilling] = {}
+        self._served = 0
+        self._last_step_started_s = time.monotonic()
+        self.loop = EngineLoop(self.engine, hooks=(self._poll_sender,), on_output=self._on_output)
+        self.loop.expecting_events = lambda: self.sender.ledger.num_held_requests > 0
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, "prefill", node_name(), None, self.engine.allocator.num_blocks,
+                          self.engine.model_config.max_context_tokens, self.engine.model_config.vocab_size)
+
+    async def prefill(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                      destination: Optional[str]) -> PrefillResult:
+        outputs = self.loop.listen(request_id)
+        try:
+            self._requests[request_id] = _Prefilling(destination, time.monotonic())
+            await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params, hand_off_after_prefill=True))
+            result = await outputs.get()
+        except BaseException:
+            self._requests.pop(request_id, None)
+            await self.loop.call(lambda: self._abort(request_id))
+            raise
+        finally:
+            self.loop.unlisten(request_id)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def acknowledge(self, request_id: str) -> None:
+        await self.loop.call(lambda: self.sender.acknowledge(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.loop.call(lambda: self._abort(request_id))
+
+    async def load(self) -> WorkerLoad:
+        return await self.loop.call(self._load)
+
+    # -- loop thread ---------------------------------------------------------------------------
+
+    def _abort(self, request_id: str) -> bool:
+        found = self.engine.abort(request_id)
+        if request_id in self.sender.ledger.request_ids():
+            self.sender.abort(request_id)
+            found = True
+        return found
+
+    def _poll_sender(self) -> None:
+        events = self.sender.poll()
+        for request_id, error in events.failed:
+            log.warning("KV handoff of request %s failed: %s", request_id, error)
+
+    def _on_output(self, output: RequestOutput) -> PrefillResult:
+        request = self._requests.pop(output.request_id, None) or _Prefilling(None, time.monotonic())
+        now = time.monotonic()
+        prefill_s = self.loop.last_step_s
+        kv_bytes, deliveries, sent_wall_s = 0, (), time.time()
+        if output.handed_off:
+            blocks = self.engine.detach_kv(output.request_id)
+            kv_bytes = len(blocks) * self.engine.layout.bytes_per_block
+            self.sender.start(output.request_id, blocks, request.destination, self.kv_lease_s)
+            delivery = self.sender.send_layers(output.request_id)
+            deliveries = (delivery,) if delivery is not None else ()
+        self._served += 1
+        return PrefillResult(
+            output.request_id, self.worker_id, output.new_token_ids[0], output.finish_reason,
+            output.num_prompt_tokens, output.num_cached_prompt_tokens,
+            queue_s=max(0.0, now - request.arrival_s - prefill_s), prefill_s=prefill_s, kv_bytes=kv_bytes,
+            kv_sent_wall_s=sent_wall_s, deliveries=deliveries,
+        )
+
+    def _load(self) -> WorkerLoad:
+        scheduler = self.engine.scheduler
+        return WorkerLoad(self.worker_id, len(scheduler.running), len(scheduler.waiting),
+                          self.engine.allocator.num_free_blocks, self.engine.allocator.num_blocks,
+                          self._served, self.loop.max_batch_size_seen)

@@ -1,0 +1,101 @@
+"""The public gRPC server (asyncio): `pdserve.v1.Generation`, the standard health service and reflection."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.pool import NoWorkerError
+from router.router import Router, StreamItem, WorkerError
+from router.validation import RequestValidationError, ValidationLimits, validate
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 << 20  # room for a 1 MiB prompt in any encoding; the validator enforces the real limit
+SERVICE_NAME = "pdserve.v1.Generation"
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, router: Router, limits: ValidationLimits, stats: Callable[[], "pb.GetStatsResponse"]):
+        self.router = router
+        self.limits = limits
+        self._stats = stats
+
+    async def Generate(self, request, context):
+        try:
+            validated = validate(request, self.router.tokenizer, self.limits)
+        except RequestValidationError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if validated.request_id in self.router.in_flight:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {validated.request_id!r} is already running")
+        try:
+            async for item in self.router.generate(validated):
+                yield _response(validated.request_id, item)
+        except NoWorkerError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except WorkerError as error:
+            log.warning("request %s failed on a worker: %s", validated.request_id, error)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {error}")
+        except Exception as error:  # a Ray actor died or similar: the client gets a status, never a hang
+            if isinstance(error, grpc.aio.AbortError):
+                raise
+            log.exception("request %s failed", validated.request_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {type(error).__name__}: {error}")
+
+    async def Abort(self, request, context):
+        return pb.AbortResponse(found=await self.router.abort(request.request_id))
+
+    async def GetStats(self, request, context):
+        return await self._stats()
+
+
+def _response(request_id: str, item: StreamItem) -> "pb.GenerateResponse":
+    response = pb.GenerateResponse(request_id=request_id, token_ids=item.token_ids, text=item.text)
+    final = item.final
+    if final is not None:
+        response.finish_reason = final.finish_reason
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+                                         cached_prompt_tokens=final.cached_prompt_tokens))
+        response.timings.CopyFrom(pb.Timings(ttft_s=final.ttft_s, tpot_s=final.tpot_s, queue_s=final.queue_s,
+                                             prefill_s=final.prefill_s, kv_bytes=final.kv_bytes,
+                                             kv_transfer_s=final.kv_transfer_s, e2e_s=final.e2e_s))
+        response.prefill_worker = final.prefill_worker
+        response.decode_worker = final.decode_worker
+    return response
+
+
+async def start_grpc_server(servicer: GenerationServicer, host: str, port: int) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+    """Starts serving; returns the server, the bound port (port 0 picks one) and the health servicer,
+    which reports NOT_SERVING until the caller marks the system ready."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the gRPC server to {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await _set_status(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return server, bound, health_servicer
+
+
+async def _set_status(health_servicer, service: str, status) -> None:
+    result = health_servicer.set(service, status)
+    if hasattr(result, "__await__"):
+        await result
+
+
+async def mark_serving(health_servicer, serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await _set_status(health_servicer, name, status)

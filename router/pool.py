@@ -1,0 +1,42 @@
+"""The worker pools as the router sees them: actor handles, what each worker told us about itself,
+and how many of our requests each one holds right now (the routing signal, known without an RPC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from engine.worker_messages import WorkerInfo
+
+
+@dataclass
+class WorkerHandle:
+    actor: Any  # a Ray actor handle
+    info: WorkerInfo
+    in_flight: int = 0  # requests this router has routed here and not seen finish
+    state: str = "ready"  # "ready", "draining" or "dead"
+    kv_blocks_free: Optional[int] = None  # refreshed from the worker's load reports
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+@dataclass
+class WorkerPool:
+    role: str
+    workers: list[WorkerHandle] = field(default_factory=list)
+
+    def ready(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.state == "ready"]
+
+    def pick(self, exclude: tuple[str, ...] = ()) -> WorkerHandle:
+        """The ready worker with the fewest of our requests; ties go to the one with most free KV."""
+        candidates = [w for w in self.ready() if w.worker_id not in exclude]
+        if not candidates:
+            raise NoWorkerError(f"no ready {self.role} worker")
+        return min(candidates, key=lambda w: (w.in_flight, -(w.kv_blocks_free or 0)))
+
+
+class NoWorkerError(RuntimeError):
+    pass

@@ -1,0 +1,241 @@
+"""The request lifecycle on the router: route, prefill, hand the KV over, stream, finish or abort.
+
+Disaggregated: reserve KV blocks on a decode worker first (so a transfer never lands where there is no
+room) -> prefill on a prefill worker, whose first token streams to the client at once -> route the
+KV delivery (ray transport) -> stream the decode worker's tokens. Colocated: one worker does both.
+If the client goes away, the request is aborted on every worker that holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+from engine.worker_messages import PrefillResult, TokenChunk
+from router.pool import WorkerHandle, WorkerPool
+from router.validation import ValidatedRequest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker failed the request (the message says why); the client gets UNAVAILABLE/INTERNAL."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: str  # "disaggregated" or "colocated"
+    kv_reservation_timeout_s: float = 30.0
+
+
+@dataclass
+class StreamItem:
+    """One message to the client: new tokens and text; `final` carries finish reason, usage, timings."""
+
+    token_ids: list[int]
+    text: str
+    final: Optional["FinalInfo"] = None
+
+
+@dataclass
+class FinalInfo:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    ttft_s: float
+    tpot_s: float
+    queue_s: float
+    prefill_s: float
+    kv_bytes: int
+    kv_transfer_s: float
+    e2e_s: float
+    prefill_worker: str = ""
+    decode_worker: str = ""
+
+
+@dataclass
+class _Route:
+    """Which workers hold a request, and which of them are done with it."""
+
+    prefill: Optional[WorkerHandle]
+    decode: WorkerHandle
+    prefill_released: bool = False  # first token back and the KV acknowledged (or nothing to hand off)
+    decode_finished: bool = False
+
+
+@dataclass
+class _Progress:
+    start_s: float
+    prompt_tokens: int
+    detok: IncrementalDetokenizer
+    stop_token_ids: frozenset
+    first_token_s: Optional[float] = None
+    completion_tokens: int = 0
+    prefill: Optional[PrefillResult] = None
+    kv_transfer_s: float = 0.0
+    cached_prompt_tokens: int = 0
+
+    def text_for(self, token_ids, finish_reason: Optional[str]) -> str:
+        text = ""
+        for index, token in enumerate(token_ids):
+            last = index == len(token_ids) - 1
+            if last and finish_reason == "stop" and token in self.stop_token_ids:
+                continue  # the engine ends on this token without emitting it as text
+            text += self.detok.add_token(token)
+        return text + (self.detok.flush() if finish_reason else "")
+
+
+@dataclass
+class Router:
+    config: RouterConfig
+    tokenizer: Tokenizer
+    prefill_pool: WorkerPool
+    decode_pool: WorkerPool  # in colocated mode: the colocated workers
+    requests_completed: int = 0
+    requests_failed: int = 0
+    in_flight: dict[str, _Route] = field(default_factory=dict)
+    _background: set = field(default_factory=set)
+
+    async def generate(self, request: ValidatedRequest) -> AsyncIterator[StreamItem]:
+        stop_ids = frozenset(request.params.stop_token_ids) | (
+            frozenset() if request.params.ignore_eos else frozenset(self.tokenizer.special.eos_token_ids))
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.stop)
+        progress = _Progress(time.monotonic(), len(request.prompt_ids), detok, stop_ids)
+        flow = self._disaggregated if self.config.mode == "disaggregated" else self._colocated
+        finished = False
+        try:
+            async for item in flow(request, progress):
+                finished = item.final is not None
+                yield item
+                if finished:
+                    break
+        finally:
+            route = self.in_flight.pop(request.request_id, None)
+            if route is not None:
+                self._release(request.request_id, route)
+            if finished:
+                self.requests_completed += 1
+            else:
+                self.requests_failed += 1
+
+    def _release(self, request_id: str, route: _Route) -> None:
+        """Settles a request's workers: counters down, and an abort wherever it may still hold blocks."""
+        if route.prefill is not None:
+            if not route.prefill_released:
+                self._fire(route.prefill.actor.abort.remote(request_id))
+        route.decode.in_flight -= 1
+        if not route.decode_finished:
+            self._fire(route.decode.actor.abort.remote(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        route = self.in_flight.get(request_id)
+        if route is None:
+            return False
+        workers = [w for w in (route.prefill, route.decode) if w is not None]
+        results = await asyncio.gather(*(w.actor.abort.remote(request_id) for w in workers), return_exceptions=True)
+        return any(r is True for r in results)
+
+    # -- the two flows -------------------------------------------------------------------------
+
+    async def _disaggregated(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
+        rid = request.request_id
+        decode = self.decode_pool.pick()
+        prefill = self.prefill_pool.pick()
+        route = self._track(rid, prefill, decode)
+        await decode.actor.reserve.remote(rid, len(request.prompt_ids), self.config.kv_reservation_timeout_s)
+        try:
+            result: PrefillResult = await prefill.actor.prefill.remote(
+                rid, request.prompt_ids, request.params, decode.info.kv_address)
+        finally:
+            prefill.in_flight -= 1
+        progress.prefill = result
+        progress.cached_prompt_tokens = result.num_cached_prompt_tokens
+        if result.finish_reason is not None:  # finished at its first token: nothing to hand off or decode
+            route.prefill_released = True
+            yield self._item(progress, (result.first_token_id,), result.finish_reason, decode)
+            return
+        yield self._item(progress, (result.first_token_id,), None, decode)
+        if result.deliveries:
+            self._fire(decode.actor.deliver.remote(result.deliveries))
+        stream = decode.actor.generate.remote(rid, request.prompt_ids, result.first_token_id, request.params)
+        async for chunk in self._chunks(stream, route):
+            if chunk.kv_ready_wall_s is not None:
+                progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
+                route.prefill_released = True
+                self._fire(prefill.actor.acknowledge.remote(rid))
+            yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode)
+
+    async def _colocated(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
+        worker = self.decode_pool.pick()
+        route = self._track(request.request_id, None, worker)
+        stream = worker.actor.generate_colocated.remote(request.request_id, request.prompt_ids, request.params)
+        async for chunk in self._chunks(stream, route):
+            progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)
+            yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    async def _chunks(self, generator, route: _Route) -> AsyncIterator[TokenChunk]:
+        async for ref in generator:
+            chunk: TokenChunk = await ref
+            if chunk.error is not None:
+                route.decode_finished = True  # the worker already dropped it
+                raise WorkerError(chunk.error)
+            if chunk.finish_reason is not None:
+                route.decode_finished = True
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+        raise WorkerError("the worker's stream ended before the request finished")
+
+    def _item(self, progress: _Progress, token_ids, finish_reason: Optional[str], decode: WorkerHandle) -> StreamItem:
+        now = time.monotonic()
+        if progress.first_token_s is None and token_ids:
+            progress.first_token_s = now
+        progress.completion_tokens += len(token_ids)
+        item = StreamItem(list(token_ids), progress.text_for(token_ids, finish_reason))
+        if progress.detok.stop_string is not None and finish_reason is None:
+            finish_reason = "stop"  # the router saw the stop string first; the worker is aborted in `generate`
+        if finish_reason is not None:
+            item.final = self._final(progress, finish_reason, now, decode)
+        return item
+
+    def _final(self, progress: _Progress, finish_reason: str, now: float, decode: WorkerHandle) -> FinalInfo:
+        first = progress.first_token_s or now
+        ttft_s = first - progress.start_s
+        tokens = progress.completion_tokens
+        prefill = progress.prefill
+        return FinalInfo(
+            finish_reason=finish_reason, prompt_tokens=progress.prompt_tokens, completion_tokens=tokens,
+            cached_prompt_tokens=progress.cached_prompt_tokens, ttft_s=ttft_s,
+            tpot_s=(now - first) / (tokens - 1) if tokens > 1 else 0.0,
+            queue_s=prefill.queue_s if prefill else 0.0, prefill_s=prefill.prefill_s if prefill else 0.0,
+            kv_bytes=prefill.kv_bytes if prefill else 0, kv_transfer_s=progress.kv_transfer_s,
+            e2e_s=now - progress.start_s, prefill_worker=prefill.worker_id if prefill else "",
+            decode_worker=decode.worker_id,
+        )
+
+    def _track(self, request_id: str, prefill: Optional[WorkerHandle], decode: WorkerHandle) -> _Route:
+        for worker in (prefill, decode):
+            if worker is not None:
+                worker.in_flight += 1
+        route = self.in_flight[request_id] = _Route(prefill, decode, prefill_released=prefill is None)
+        return route
+
+    def _fire(self, awaitable) -> None:
+        """Runs a best-effort worker call in the background, logging (not raising) its failure."""
+        async def run():
+            try:
+                await awaitable
+            except Exception as error:
+                log.warning("background worker call failed: %s", error)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,123 @@
+"""Turning a public `GenerateRequest` into a validated internal request, or a `RequestValidationError`
+that names the field and the limit (the router sends it as INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+MAX_REQUEST_ID_CHARS = 128
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class RequestValidationError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ValidationLimits:
+    max_context_tokens: int
+    vocab_size: int
+    max_prompt_bytes: int = 1 << 20
+    max_tokens_default: int = 16
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def _check_no_unknown_fields(message, path: str) -> None:
+    unknown = UnknownFieldSet(message)
+    if len(unknown):
+        raise RequestValidationError(path or "request", f"unknown field number {unknown[0].field_number}")
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None:
+            continue
+        name = f"{path}.{descriptor.name}" if path else descriptor.name
+        values = value if descriptor.is_repeated else [value]
+        for item in values:
+            _check_no_unknown_fields(item, name)
+
+
+def validate(request, tokenizer: Tokenizer, limits: ValidationLimits) -> ValidatedRequest:
+    _check_no_unknown_fields(request, "")
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise RequestValidationError("request_id", f"must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+    prompt_ids = _prompt_ids(request, tokenizer, limits)
+    if len(prompt_ids) >= limits.max_context_tokens:
+        raise RequestValidationError(
+            "prompt", f"has {len(prompt_ids)} tokens; the model's context is {limits.max_context_tokens} tokens "
+            "(prompt plus at least one output token)")
+    params = _sampling_params(request.sampling, limits)
+    room = limits.max_context_tokens - len(prompt_ids)
+    if params.max_tokens > room:
+        params = SamplingParams(**{**params.__dict__, "max_tokens": room})  # OpenAI-style: cut to the context
+    return ValidatedRequest(request_id, prompt_ids, params)
+
+
+def _prompt_ids(request, tokenizer: Tokenizer, limits: ValidationLimits) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise RequestValidationError("prompt", "is required (text, token_ids or chat)")
+    if kind == "text":
+        if not request.text:
+            raise RequestValidationError("prompt.text", "is empty")
+        if len(request.text.encode("utf-8")) > limits.max_prompt_bytes:
+            raise RequestValidationError("prompt.text", f"is larger than {limits.max_prompt_bytes} bytes")
+        return tokenizer.encode(request.text)
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise RequestValidationError("prompt.token_ids", "is empty")
+        bad = next((t for t in ids if t >= limits.vocab_size), None)
+        if bad is not None:
+            raise RequestValidationError("prompt.token_ids", f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+        return ids
+    messages = list(request.chat.messages)
+    if not messages:
+        raise RequestValidationError("prompt.chat.messages", "is empty")
+    total_bytes = 0
+    for index, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise RequestValidationError(f"prompt.chat.messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+        total_bytes += len(message.content.encode("utf-8"))
+    if total_bytes > limits.max_prompt_bytes:
+        raise RequestValidationError("prompt.chat.messages", f"are larger than {limits.max_prompt_bytes} bytes in all")
+    if not any(m.content for m in messages):
+        raise RequestValidationError("prompt.chat.messages", "hold no content")
+    try:
+        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+    except Exception as error:  # a template's own raise_exception, e.g. roles out of order
+        raise RequestValidationError("prompt.chat.messages", f"rejected by the chat template: {error}") from error
+
+
+def _sampling_params(sampling, limits: ValidationLimits) -> SamplingParams:
+    fields = {
+        "max_tokens": sampling.max_tokens if sampling.HasField("max_tokens") else limits.max_tokens_default,
+        "temperature": sampling.temperature if sampling.HasField("temperature") else 1.0,
+        "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
+        "top_k": sampling.top_k if sampling.HasField("top_k") else None,
+        "seed": sampling.seed if sampling.HasField("seed") else None,
+        "stop": tuple(sampling.stop),
+        "stop_token_ids": tuple(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+    }
+    bad_ids = [t for t in fields["stop_token_ids"] if t >= limits.vocab_size]
+    if bad_ids:
+        raise RequestValidationError("sampling.stop_token_ids", f"token id {bad_ids[0]} is outside the vocabulary")
+    try:
+        return SamplingParams(**fields)
+    except ValueError as error:  # SamplingParams names the field first
+        field = str(error).split(" ", 1)[0]
+        raise RequestValidationError(f"sampling.{field}", str(error).split(" ", 1)[1]) from error
