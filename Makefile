@@ -9,7 +9,7 @@ $(VENV)/.bootstrapped: pyproject.toml scripts/bootstrap.sh proto/build.py $(wild
 setup: $(VENV)/.bootstrapped
 
 demo: $(VENV)/.bootstrapped
-	$(VENV)/bin/pdserve generate --chat --max-tokens 96 "Explain in two sentences why the sky is blue."
+	$(VENV)/bin/pdserve demo
 
 test: $(VENV)/.bootstrapped
 	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi

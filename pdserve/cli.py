@@ -48,10 +48,137 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start (or join) a Ray cluster, the worker pools and the router; serve until interrupted")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: workers doing both)")
+    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--transport", default="ray", choices=["ray", "grpc"], help="how KV moves between workers")
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--address", default="local", help="'local' starts Ray here; 'auto' or host:port joins a cluster")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--kv-host", default="127.0.0.1", help="address decode workers' gRPC KV receivers bind (grpc transport)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
+    p.set_defaults(handler=_serve)
+
+
+def _serve_config(args: argparse.Namespace, **overrides):
+    from pdserve.system import ServeConfig
+
+    fields = dict(model=args.model, dtype=args.dtype, mode=args.mode, transport=args.transport,
+                  num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
+                  address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,
+                  kv_cache_bytes=args.kv_cache_mib << 20)
+    fields.update(overrides)
+    return ServeConfig(**fields)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from pdserve.system import start_system
+
+    async def run() -> None:
+        system = await start_system(_serve_config(args))
+        print(f"pdserve: serving on {args.host}:{system.port} ({args.mode}, {args.transport} transport); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("pdserve: shutting down", file=sys.stderr, flush=True)
+        await system.stop()
+
+    asyncio.run(run())
+    return 0
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="send a prompt as one chat user turn to a running server; stream the answer")
+    p.add_argument("prompt")
+    _add_client_args(p)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.set_defaults(handler=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.client import PdserveClient
+
+    with PdserveClient(args.host, args.port) as client:
+        request = client.request(messages=[{"role": "user", "content": args.prompt}],
+                                 temperature=args.temperature, max_tokens=args.max_tokens)
+        try:
+            for response in client.stream(request):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+        except grpc.RpcError as error:
+            print(f"\npdserve chat: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="exit 0 once a server is ready to serve; print its pools")
+    _add_client_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object (workers: role, node, state, ...)")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for readiness")
+    p.set_defaults(handler=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from google.protobuf.json_format import MessageToDict
+
+    from pdserve.client import PdserveClient
+
+    with PdserveClient(args.host, args.port) as client:
+        if not client.wait_ready(args.wait) and not client.is_serving():
+            print(f"pdserve status: no server ready at {args.host}:{args.port}", file=sys.stderr)
+            return 1
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        return 0
+    print(f"{stats.mode}, {stats.transport} transport, model {stats.model}: "
+          f"{stats.requests_in_flight} in flight, {stats.requests_completed} completed, {stats.requests_failed} failed")
+    for w in stats.workers:
+        print(f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  running {w.running_requests}  "
+              f"waiting {w.waiting_requests}  KV free {w.kv_blocks_free}/{w.kv_blocks_total}  served {w.requests_served}")
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="start a local 1 prefill + 1 decode system, send a few chat prompts, stop")
+    p.add_argument("--transport", default="ray", choices=["ray", "grpc"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(handler=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pdserve.demo import run_demo
+
+    return run_demo(args.transport, args.dtype)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
+    for add in (_add_generate, _add_serve, _add_chat, _add_status, _add_demo):
+        add(sub)
     return parser
 
 

@@ -58,18 +58,17 @@ class ServeConfig:
 
 def init_ray(config: ServeConfig) -> None:
     if config.address == "local":
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
-    if ray.is_initialized():
-        return
-    if config.address == "local":
         # Every server on loopback (DESIGN.md). Ray reads this when it is imported, so it must be set
         # before the first `import ray` in this process (tests/conftest.py sets it for the test run).
         if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
             log.warning("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set: its servers may not stay on loopback")
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
+    import ray
+
+    if ray.is_initialized():
+        return
+    if config.address == "local":
         workers = config.num_decode + (config.num_prefill if config.mode == "disaggregated" else 0)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(workers * config.cpus_per_worker + 0.999)),
                  include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=config.object_store_bytes,

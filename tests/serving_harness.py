@@ -1,0 +1,64 @@
+"""Running a real pdserve system (local Ray cluster on loopback, real actors, real gRPC) inside a test."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from pdserve.client import PdserveClient
+from pdserve.system import ServeConfig, init_ray, start_system
+
+
+class RunningSystem:
+    def __init__(self, loop: asyncio.AbstractEventLoop, config: ServeConfig):
+        self.loop = loop
+        self.config = config
+        self.system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(timeout=300)
+        self.port = self.system.port
+
+    def client(self, timeout_s: float = 120) -> PdserveClient:
+        return PdserveClient(port=self.port, timeout_s=timeout_s)
+
+    def stats(self):
+        with self.client() as client:
+            return client.stats()
+
+    def wait_idle(self, timeout_s: float = 30):
+        """Stats once nothing is in flight and every worker's KV blocks are all free again."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            settled = stats.requests_in_flight == 0 and all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+            if settled or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.system.stop(), self.loop).result(timeout=60)
+
+
+class Harness:
+    """One Ray cluster and one router event loop for the whole test session; systems come and go."""
+
+    def __init__(self, num_cpus: int = 4):
+        self._num_cpus = num_cpus
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
+        self._thread.start()
+        self._ray_started = False
+
+    def start(self, **config) -> RunningSystem:
+        import ray
+
+        if not ray.is_initialized():
+            init_ray(ServeConfig(num_decode=self._num_cpus))  # sizes the local cluster's CPU count
+            self._ray_started = True
+        return RunningSystem(self.loop, ServeConfig(port=0, kv_cache_bytes=64 << 20, **config))
+
+    def close(self) -> None:
+        import ray
+
+        if self._ray_started:
+            ray.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,0 +1,172 @@
+"""The whole system on a local Ray cluster (loopback only): router, prefill and decode actors, KV
+transfer over both transports, token streaming, continuous batching, cancellation, bad input."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.serving_harness import Harness
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three rivers in Europe."]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    h = Harness()
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def expected(smollm_fp32, hf_smollm_fp32):
+    """Greedy 32-token answers from the single-process engine, checked against HF transformers."""
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=32 << 20), loaded=smollm_fp32)
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    results = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0))
+    for prompt, result in zip(prompts[:2], results):
+        with torch.no_grad():
+            reference = hf_smollm_fp32.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                                max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=2)
+        hf_tokens = reference[0, len(prompt):].tolist()
+        assert result.token_ids == hf_tokens[: len(result.token_ids)] and len(hf_tokens) == len(result.token_ids)
+    return {q: r for q, r in zip(QUESTIONS, results)}
+
+
+@pytest.fixture(scope="module", params=["ray", "grpc"])
+def disaggregated(request, harness):
+    system = harness.start(transport=request.param)
+    yield system
+    system.stop()
+
+
+def _chat_all(system, questions, **sampling):
+    with ThreadPoolExecutor(len(questions)) as pool:
+        return list(pool.map(lambda q: system.client().chat(q, **sampling), questions))
+
+
+def test_greedy_outputs_equal_the_engine_and_hf(disaggregated, expected):
+    completions = _chat_all(disaggregated, QUESTIONS, max_tokens=32, temperature=0)
+    for question, completion in zip(QUESTIONS, completions):
+        assert completion.token_ids == expected[question].token_ids
+        assert completion.text == expected[question].text
+        assert completion.finish_reason == expected[question].finish_reason
+        assert completion.prefill_worker == "prefill-0" and completion.decode_worker == "decode-0"
+        assert completion.usage.completion_tokens == len(completion.token_ids)
+        assert completion.timings.kv_bytes > 0
+    stats = disaggregated.wait_idle()
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+
+
+def test_streaming_is_real_and_ttft_is_what_the_client_saw(disaggregated):
+    with disaggregated.client() as client:
+        done = client.generate(client.request("Tell me a long story about a dragon.", max_tokens=48, temperature=0, ignore_eos=True))
+    finished_at = time.monotonic()
+    client_ttft_s = done.first_token_at_s - done.sent_at_s
+    assert done.usage.completion_tokens == 48
+    # The first token reached us well before the decode of this request was over.
+    assert finished_at - done.first_token_at_s > 20 * done.timings.tpot_s > 0
+    assert abs(done.timings.ttft_s - client_ttft_s) < 0.05 + 0.2 * client_ttft_s
+
+
+def test_continuous_batching_admits_requests_into_a_running_batch(disaggregated):
+    with ThreadPoolExecutor(17) as pool:
+        long_run = pool.submit(lambda: disaggregated.client().generate(
+            disaggregated.client().request("Count slowly.", max_tokens=160, temperature=0, ignore_eos=True)))
+        time.sleep(1.5)  # the long request is decoding by now
+        assert not long_run.done()
+        short_runs = [pool.submit(lambda i=i: disaggregated.client().generate(
+            disaggregated.client().request(f"Say a word about {i}.", max_tokens=8, temperature=0, ignore_eos=True)))
+            for i in range(16)]
+        shorts = [f.result() for f in short_runs]
+        assert not long_run.done()  # every short request finished while the long one still ran
+        assert long_run.result().usage.completion_tokens == 160
+    assert all(s.usage.completion_tokens == 8 for s in shorts)
+    decode_stats = next(w for w in disaggregated.wait_idle().workers if w.role == "decode")
+    assert decode_stats.max_batch_size_seen >= 4
+
+
+def test_client_cancel_frees_every_block(disaggregated):
+    with disaggregated.client() as client:
+        call = client.stream(client.request("Write an essay about bridges.", max_tokens=400, temperature=0, ignore_eos=True))
+        for index, _ in enumerate(call):
+            if index == 3:
+                break
+        call.cancel()
+    stats = disaggregated.wait_idle(timeout_s=20)
+    assert stats.requests_in_flight == 0
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+    busy = [w for w in stats.workers if w.running_requests or w.waiting_requests]
+    assert not busy
+
+
+BAD_REQUESTS = [
+    (dict(prompt=""), "prompt.text"),
+    (dict(), "prompt"),
+    (dict(prompt="x" * (2 << 20)), "prompt.text"),
+    (dict(prompt="hello " * 9000), "context is 8192 tokens"),
+    (dict(prompt="hi", max_tokens=0), "sampling.max_tokens"),
+    (dict(prompt="hi", temperature=-0.5), "sampling.temperature"),
+    (dict(prompt="hi", top_p=0.0), "sampling.top_p"),
+    (dict(prompt="hi", top_p=1.5), "sampling.top_p"),
+    (dict(token_ids=[1, 2, 10**6]), "prompt.token_ids"),
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "role"),
+    (dict(prompt="hi", stop=[""]), "sampling.stop"),
+]
+
+
+def test_bad_requests_are_invalid_argument_naming_the_field(harness, expected):
+    system = harness.start(transport="ray")
+    try:
+        with system.client() as client:
+            for fields, needle in BAD_REQUESTS:
+                fields = dict(fields)
+                request = client.request(fields.pop("prompt", None), messages=fields.pop("messages", None),
+                                         token_ids=fields.pop("token_ids", None), **fields)
+                with pytest.raises(grpc.RpcError) as failure:
+                    client.generate(request)
+                assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+                assert needle in failure.value.details()
+            unknown = client.request("hi")
+            unknown.MergeFromString(unknown.SerializeToString() + bytes([0xA8, 0x06, 0x01]))  # field 101
+            with pytest.raises(grpc.RpcError) as failure:
+                client.generate(unknown)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field" in failure.value.details()
+            good = client.chat(QUESTIONS[0], max_tokens=32, temperature=0)
+            assert good.token_ids == expected[QUESTIONS[0]].token_ids
+    finally:
+        system.stop()
+
+
+def test_two_by_two_spreads_load_and_completes_64_streams(harness, expected):
+    system = harness.start(transport="ray", num_prefill=2, num_decode=2)
+    try:
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(64)]
+        completions = _chat_all(system, questions, max_tokens=12, temperature=0)
+        for question, completion in zip(questions, completions):
+            assert completion.token_ids == expected[question].token_ids[:12]
+        stats = system.wait_idle()
+        assert {w.worker_id for w in stats.workers} == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+        assert all(w.requests_served > 0 for w in stats.workers)
+        assert sum(w.requests_served for w in stats.workers if w.role == "decode") == 64
+        assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+    finally:
+        system.stop()
+
+
+def test_colocated_mode_gives_the_same_answers(harness, expected):
+    system = harness.start(mode="colocated", num_decode=1)
+    try:
+        completions = _chat_all(system, QUESTIONS, max_tokens=32, temperature=0)
+        for question, completion in zip(QUESTIONS, completions):
+            assert completion.token_ids == expected[question].token_ids
+            assert completion.decode_worker == "colocated-0" and completion.prefill_worker == ""
+        stats = system.wait_idle()
+        assert [w.role for w in stats.workers] == ["colocated"]
+    finally:
+        system.stop()
