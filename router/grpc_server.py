@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.pool import NoWorkerError
-from router.router import Router, StreamItem, WorkerError
+from router.router import AdmissionTimeoutError, Router, StreamItem, WorkerError
 from router.validation import RequestValidationError, ValidationLimits, validate
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield _response(validated.request_id, item)
         except NoWorkerError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except AdmissionTimeoutError as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except WorkerError as error:
             log.warning("request %s failed on a worker: %s", validated.request_id, error)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {error}")

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
+from engine.block_manager import OutOfBlocksError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from engine.worker_messages import PrefillResult, TokenChunk
@@ -27,10 +28,21 @@ class WorkerError(RuntimeError):
     """A worker failed the request (the message says why); the client gets UNAVAILABLE/INTERNAL."""
 
 
+class AdmissionTimeoutError(RuntimeError):
+    """No worker had room for the request in time; the client gets RESOURCE_EXHAUSTED."""
+
+
+def ray_task_error() -> type:
+    from ray.exceptions import RayTaskError  # Ray is imported by whoever built the pools
+
+    return RayTaskError
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     mode: str  # "disaggregated" or "colocated"
     kv_reservation_timeout_s: float = 30.0
+    admission_timeout_s: float = 120.0  # how long a request may wait for KV room before RESOURCE_EXHAUSTED
 
 
 @dataclass
@@ -145,10 +157,9 @@ class Router:
 
     async def _disaggregated(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
         rid = request.request_id
-        decode = self.decode_pool.pick()
+        decode = await self._reserve_decode(request)
         prefill = self.prefill_pool.pick()
         route = self._track(rid, prefill, decode)
-        await decode.actor.reserve.remote(rid, len(request.prompt_ids), self.config.kv_reservation_timeout_s)
         try:
             result: PrefillResult = await prefill.actor.prefill.remote(
                 rid, request.prompt_ids, request.params, decode.info.kv_address)
@@ -170,6 +181,30 @@ class Router:
                 route.prefill_released = True
                 self._fire(prefill.actor.acknowledge.remote(rid))
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode)
+
+    async def _reserve_decode(self, request: ValidatedRequest) -> WorkerHandle:
+        """Reserves KV blocks for the prompt on a decode worker, trying each and then waiting while
+        all are full, so a transfer never lands where there is no room and a busy pool queues."""
+        deadline = time.monotonic() + self.config.admission_timeout_s
+        delay_s = 0.005
+        while True:
+            tried: tuple[str, ...] = ()
+            for _ in self.decode_pool.ready():
+                decode = self.decode_pool.pick(exclude=tried)
+                try:
+                    await decode.actor.reserve.remote(request.request_id, len(request.prompt_ids),
+                                                      self.config.kv_reservation_timeout_s)
+                    return decode
+                except ray_task_error() as error:
+                    if not isinstance(error.cause, OutOfBlocksError):
+                        raise
+                    tried += (decode.worker_id,)
+            if time.monotonic() + delay_s > deadline:
+                raise AdmissionTimeoutError(
+                    f"no decode worker had KV room for {len(request.prompt_ids)} prompt tokens within "
+                    f"{self.config.admission_timeout_s:.0f} s")
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.1)
 
     async def _colocated(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
         worker = self.decode_pool.pick()

@@ -41,7 +41,7 @@ class RunningSystem:
 class Harness:
     """One Ray cluster and one router event loop for the whole test session; systems come and go."""
 
-    def __init__(self, num_cpus: int = 4):
+    def __init__(self, num_cpus: int = 8):
         self._num_cpus = num_cpus
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
