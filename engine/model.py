@@ -233,5 +233,6 @@ class LlamaModel(nn.Module):
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
         x = self.norm(x)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.lm_head is None:  # tied embeddings
+            return F.linear(x, self.embed_tokens.weight).float()
+        return self.lm_head(x).float()

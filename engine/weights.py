@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 import torch
 
 from engine.config import NAMED_SHAPES, ModelConfig
+from engine.cpu_packing import pack_linears, packing_supported
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, default_model_path
 from engine.model import LlamaModel, rope_inv_freq
 from engine.tokenizer import Tokenizer
@@ -80,7 +81,7 @@ def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> Loaded
                 param.fill_(1.0)
             else:  # small normal weights keep activations finite through many layers
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    return LoadedModel(config, model.to(dtype).eval(), None, DUMMY_PREFIX + shape)
+    return LoadedModel(config, prepare_for_inference(model.to(dtype).eval(), dtype, device), None, DUMMY_PREFIX + shape)
 
 
 def build_model(config: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str) -> LlamaModel:
@@ -111,4 +112,10 @@ def build_model(config: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tenso
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.rotary.inv_freq = rope_inv_freq(config, rope_freqs).to(device)  # buffers were left on meta
-    return model.eval()
+    return prepare_for_inference(model.eval(), dtype, device)
+
+
+def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) -> LlamaModel:
+    if packing_supported(dtype, device):
+        pack_linears(model)
+    return model

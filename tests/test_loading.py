@@ -85,3 +85,19 @@ def test_unknown_paths_and_bad_files_are_clear_errors(tmp_path, default_gguf):
     (tmp_path / "hfdir" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="unsupported architecture"):
         load_model(str(tmp_path / "hfdir"))
+
+
+def test_bf16_cpu_models_use_packed_linears_that_match_f_linear_bit_for_bit():
+    from engine.cpu_packing import PackedLinear, packing_supported
+
+    if not packing_supported(torch.bfloat16, "cpu"):
+        pytest.skip("this CPU/torch build has no oneDNN bf16 packing")
+    loaded = load_model("dummy:tiny", torch.bfloat16)
+    packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * loaded.config.num_layers + 1  # qkv, o, gate_up, down per layer + the tied head
+    weight = torch.randn(96, 64).bfloat16()
+    bias = torch.randn(96).bfloat16()
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(PackedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
+    assert not any(isinstance(m, PackedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules())
