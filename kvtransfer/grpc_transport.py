@@ -3,7 +3,7 @@
 One `Push` stream carries one request: for each layer group, an encoded `KVGroupHeader` frame followed
 by raw payload chunks of `chunk_bytes` (1-4 MiB; protobuf `bytes` fields and single huge messages are
 5-15x slower here). Frames use the identity serializer: the receiver only ever parses msgpack headers
-and copies raw bytes into a preallocated, reused buffer, computing the CRC chunk by chunk. The stream's
+and copies raw bytes into a preallocated, reused buffer, then verifies the checksum. The stream's
 response is the acknowledgement; errors come back as gRPC statuses whose details name the kvtransfer
 error type, which the sender raises again as that type. The sender's stream stays open until all
 layers are sent, so layer groups go out while later layers are still being computed.
@@ -26,7 +26,7 @@ from kvtransfer import errors
 from kvtransfer.base import DEFAULT_LEASE_S, KVReceiver, KVSender
 from kvtransfer.buffers import BufferPool
 from kvtransfer.leases import HeldRequest
-from kvtransfer.wire import WIRE_VERSION, KVGroupHeader, as_bytes_view, checksum
+from kvtransfer.wire import WIRE_VERSION, KVGroupHeader, as_bytes_view
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class GrpcKVReceiver(KVReceiver):
         buffer = self._buffers.acquire(header.payload_bytes)
         try:
             target = buffer.numpy()
-            received, crc = 0, 0
+            received = 0
             while received < header.payload_bytes:
                 chunk = next(frames, None)
                 if chunk is None:
@@ -258,8 +258,7 @@ class GrpcKVReceiver(KVReceiver):
                         f"KV payload of request {header.request_id!r} longer than its header's "
                         f"{header.payload_bytes} bytes", header.request_id)
                 target[received:end] = np.frombuffer(chunk, dtype=np.uint8)
-                crc = checksum(chunk, crc)
                 received = end
-            return self.reservations.install(header, target, crc)
+            return self.reservations.install(header, target)
         finally:
             self._buffers.release(buffer)

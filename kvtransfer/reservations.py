@@ -108,7 +108,7 @@ class Reservations:
     def install(self, header: KVGroupHeader, payload: Any, payload_checksum: Optional[int] = None) -> bool:
         """Any thread: verify one layer group and write it into the reserved blocks; True once the
         request has all its layers. On a checksum mismatch nothing is written and the request fails.
-        `payload_checksum` is the CRC a transport already computed while receiving, if any."""
+        `payload_checksum` is the checksum a transport already computed while receiving, if any."""
         reservation = self._get(header.request_id)
         actual = checksum(memoryview(payload)[: header.payload_bytes]) if payload_checksum is None else payload_checksum
         with reservation.lock:
@@ -116,7 +116,7 @@ class Reservations:
             if actual != header.checksum:
                 reservation.error = ChecksumError(
                     f"KV payload of request {header.request_id!r}, layers [{header.layer_start}, "
-                    f"{header.layer_stop}): CRC-32 {actual:#010x} != header {header.checksum:#010x}; "
+                    f"{header.layer_stop}): checksum {actual:#018x} != header {header.checksum:#018x}; "
                     f"nothing installed", header.request_id)
                 raise reservation.error
             reservation.sender = (header.sender_id, header.sender_epoch)

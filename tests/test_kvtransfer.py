@@ -105,8 +105,9 @@ def test_header_round_trip():
 
 
 def test_header_version_mismatch_is_typed_error():
-    with pytest.raises(WireVersionError, match=f"version 2 .* speaks version {WIRE_VERSION}") as caught:
-        KVGroupHeader.decode(header_for(version=2).encode(), FP32)
+    other = WIRE_VERSION + 1
+    with pytest.raises(WireVersionError, match=f"version {other} .* speaks version {WIRE_VERSION}") as caught:
+        KVGroupHeader.decode(header_for(version=other).encode(), FP32)
     assert caught.value.request_id == "req-1"
 
 
@@ -193,7 +194,7 @@ def test_grpc_version_mismatch_rejected_at_first_frame(grpc_pair):
         with pytest.raises(grpc.RpcError) as caught:
             channel.stream_unary(PUSH_METHOD)(iter([bad]), timeout=5.0)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert caught.value.details().startswith("WireVersionError: KV wire format version 2")
+    assert caught.value.details().startswith(f"WireVersionError: KV wire format version {WIRE_VERSION + 1}")
     events = receiver.poll()
     assert isinstance(dict(events.failed)["r"], WireVersionError)
 
