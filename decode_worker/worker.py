@@ -171,4 +171,4 @@ class DecodeWorker:
         scheduler = self.engine.scheduler
         return WorkerLoad(self.worker_id, len(scheduler.running), len(scheduler.waiting) + len(self._awaiting),
                           self.engine.allocator.num_free_blocks, self.engine.allocator.num_blocks,
-                          self._served, self.loop.max_batch_size_seen)
+                          self._served, self.loop.max_batch_size_seen, self.loop.decode_steps, self.loop.decode_steps_s)

@@ -40,6 +40,8 @@ class EngineLoop:
         self.max_batch_size_seen = 0
         self.num_steps = 0
         self.last_step_s = 0.0  # duration of the latest engine step (the prefill time of its outputs)
+        self.decode_steps = 0  # steps that decoded only (no prefill), and their total time
+        self.decode_steps_s = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -104,8 +106,10 @@ class EngineLoop:
             loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _step(self) -> None:
-        running = len(self.engine.scheduler.running)
+        scheduler = self.engine.scheduler
+        running = len(scheduler.running)
         self.max_batch_size_seen = max(self.max_batch_size_seen, running)
+        is_decode = not scheduler.waiting  # the scheduler runs prefills first when prompts wait
         started = time.monotonic()
         try:
             outputs = self.engine.step()
@@ -117,6 +121,9 @@ class EngineLoop:
             return
         self.num_steps += 1
         self.last_step_s = time.monotonic() - started
+        if is_decode:
+            self.decode_steps += 1
+            self.decode_steps_s += self.last_step_s
         for output in outputs:
             try:
                 item = self._on_output(output) if self._on_output else output

@@ -56,3 +56,5 @@ class WorkerLoad:
     kv_blocks_total: int
     requests_served: int
     max_batch_size_seen: int
+    decode_steps: int = 0  # steps that decoded only (no prefill) since start, and their total time
+    decode_steps_s: float = 0.0

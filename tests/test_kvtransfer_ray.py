@@ -191,7 +191,10 @@ def test_actors_sender_dies_mid_transfer_frees_reservation(local_ray, transport)
             assert ray.get(decode.deliver.remote(first)) is False
         ray.kill(prefill, no_restart=True)  # dies with layers 2.. unsent
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(prefill.address.remote(), timeout=10)
+            deadline = time.monotonic() + 10  # the kill is asynchronous: calls succeed until it lands
+            while time.monotonic() < deadline:
+                ray.get(prefill.free_and_total_blocks.remote(), timeout=10)
+                time.sleep(0.05)
         if transport == "ray":  # a routed ref whose owner died: unreachable, or still in the local store
             outcome = ray.get(decode.deliver.remote(second))
             assert outcome is False or outcome[0] == "TransferAbortedError", outcome

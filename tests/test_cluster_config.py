@@ -1,0 +1,18 @@
+"""cluster.yaml is a real Ray cluster-launcher config: it passes the schema check `ray up` runs."""
+
+from pathlib import Path
+
+import yaml
+
+CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
+
+
+def test_cluster_yaml_passes_rays_own_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load(CLUSTER_YAML.read_text())
+    validate_config(prepare_config(config))  # raises on any schema error
+    node_types = config["available_node_types"]
+    assert node_types["prefill"]["resources"]["pdserve_prefill"] == 1
+    assert node_types["decode"]["resources"]["pdserve_decode"] == 1
+    assert config["head_node_type"] == "head"
