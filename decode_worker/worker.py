@@ -2,11 +2,12 @@
 request into its running batch (continuous batching) and streams its tokens.
 
 A disaggregated request arrives in three calls from the router, in this order:
-`reserve` (blocks set aside, with a deadline) -> `deliver` (routed transports only) -> `generate`
-(the token stream). The KV may become ready before or after `generate` starts; either way the
-request joins the batch at the next step once both have happened. Ready KV that nobody claims
-within the reservation's deadline is freed. In colocated mode `generate_colocated` runs the whole
-request here. Everything touching the engine runs on its loop thread.
+`reserve` (blocks set aside, with a deadline) -> `deliver` (routed transports only) -> `admit`.
+The KV may become ready before or after `admit`; either way the request joins the batch at the next
+step once both have happened. Ready KV that nobody claims within the reservation's deadline is freed.
+In colocated mode `admit_colocated` runs the whole request here. Tokens of every request leave through
+one stream, `outputs`, that the router subscribes to once: one Ray item per engine step, not one per
+request per step. Everything touching the engine runs on its loop thread.
 """
 
 from __future__ import annotations
@@ -79,43 +80,32 @@ class DecodeWorker:
                 log.warning("KV delivery failed: %s", error)
                 return
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], first_token_id: int,
-                       params: SamplingParams) -> AsyncIterator[TokenChunk]:
-        outputs = self.loop.listen(request_id)
+    async def admit(self, request_id: str, prompt_ids: Sequence[int], first_token_id: int, params: SamplingParams) -> None:
+        """The request joins the running batch as soon as its KV is ready (now, if it already is)."""
         await self.loop.call(lambda: self._admit(request_id, _Awaiting(list(prompt_ids), first_token_id, params)))
-        async for chunk in self._stream(request_id, outputs):
-            yield chunk
 
     # -- colocated path ------------------------------------------------------------------------
 
-    async def generate_colocated(self, request_id: str, prompt_ids: Sequence[int],
-                                 params: SamplingParams) -> AsyncIterator[TokenChunk]:
-        outputs = self.loop.listen(request_id)
+    async def admit_colocated(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params))
-        async for chunk in self._stream(request_id, outputs):
-            yield chunk
 
     # -- both ----------------------------------------------------------------------------------
+
+    async def outputs(self) -> AsyncIterator[list[TokenChunk]]:
+        """The router's one subscription (a Ray streaming generator): each item is one engine step's
+        chunks for all its requests, plus errors and aborts. A request ends with a chunk that has a
+        finish reason or an error."""
+        channel = self.loop.open_channel()
+        while True:
+            batch = await channel.get()
+            yield [item if isinstance(item, TokenChunk) else TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
+                   for request_id, item in batch]
 
     async def abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda: self._abort(request_id))
 
     async def load(self) -> WorkerLoad:
         return await self.loop.call(self._load)
-
-    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[TokenChunk]:
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, Exception):
-                    item = TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
-                finished = item.finish_reason is not None or item.error is not None
-                yield item
-        finally:
-            self.loop.unlisten(request_id)
-            if not finished:  # the consumer went away: stop the request and free its blocks
-                await self.loop.call(lambda: self._abort(request_id))
 
     # -- loop thread ---------------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 The engine, its allocator and anything else registered as a hook are touched only from the loop's
 thread. Callers submit work with `call(fn)` (fn runs on the loop thread, the awaitable gets its
-result) and receive a request's outputs on an asyncio queue opened with `listen(request_id)`.
+result) and receive outputs either per request, on an asyncio queue opened with `listen(request_id)`,
+or all together on one channel opened with `open_channel()`: then each turn of the loop delivers one
+list of `(request_id, item)` pairs, so a consumer pays one hand-off per step, not one per request.
 
 Each turn of the loop: run submitted calls -> run hooks (transport polls) -> one engine step ->
 hand each output to `on_output` (still on the loop thread), then to the request's listener.
@@ -35,6 +37,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._listeners_lock = threading.Lock()
+        self._channel: Optional[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = None
+        self._channel_batch: list[tuple[str, Any]] = []  # loop thread only
         self._stopped = False
         self.expecting_events: Callable[[], bool] = lambda: False
         self.max_batch_size_seen = 0
@@ -64,8 +68,17 @@ class EngineLoop:
         with self._listeners_lock:
             self._listeners.pop(request_id, None)
 
+    def open_channel(self) -> asyncio.Queue:
+        """One queue for every request's items, delivered as a list per loop turn."""
+        channel: asyncio.Queue = asyncio.Queue()
+        self._channel = (asyncio.get_running_loop(), channel)
+        return channel
+
     def publish(self, request_id: str, item: Any) -> None:
         """Sends an item to a request's listener from the loop thread (outputs, errors, events)."""
+        if self._channel is not None:
+            self._channel_batch.append((request_id, item))
+            return
         with self._listeners_lock:
             listener = self._listeners.get(request_id)
         if listener is not None:
@@ -89,9 +102,16 @@ class EngineLoop:
                     log.exception("engine loop hook %s failed", getattr(hook, "__name__", hook))
             if self.engine.has_unfinished():
                 self._step()
-            else:
+            self._flush_channel()
+            if not self.engine.has_unfinished():
                 self._wake.wait(self._busy_wait_s if self.expecting_events() else _IDLE_WAIT_S)
                 self._wake.clear()
+
+    def _flush_channel(self) -> None:
+        if self._channel is not None and self._channel_batch:
+            loop, channel = self._channel
+            batch, self._channel_batch = self._channel_batch, []
+            loop.call_soon_threadsafe(channel.put_nowait, batch)
 
     def _run_calls(self) -> None:
         while True:

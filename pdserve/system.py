@@ -113,6 +113,9 @@ class System:
         import ray
 
         await self.server.stop(grace=2.0)
+        for pool in (self.router.prefill_pool, self.router.decode_pool):
+            for worker in pool.workers:
+                worker.state = "stopping"
         for actor in self.actors:
             ray.kill(actor)
         self.actors.clear()
@@ -147,6 +150,7 @@ async def start_system(config: ServeConfig) -> System:
     decode_pool = WorkerPool(decode_role, [WorkerHandle(a, i) for a, i in zip(decode_actors, infos)])
     prefill_pool = WorkerPool("prefill", [WorkerHandle(a, i) for a, i in zip(prefill_actors, infos[len(decode_actors):])])
     router = Router(RouterConfig(config.mode), tokenizer, prefill_pool, decode_pool)
+    router.start()
     limits = ValidationLimits(max_context_tokens=infos[0].max_context_tokens, vocab_size=infos[0].vocab_size)
     system = System(config, router, None, 0, None, decode_actors + prefill_actors)
     servicer = GenerationServicer(router, limits, system.stats)

@@ -14,7 +14,7 @@ class WorkerHandle:
     actor: Any  # a Ray actor handle
     info: WorkerInfo
     in_flight: int = 0  # requests this router has routed here and not seen finish
-    state: str = "ready"  # "ready", "draining" or "dead"
+    state: str = "ready"  # "ready", "draining", "stopping" or "dead"
     kv_blocks_free: Optional[int] = None  # refreshed from the worker's load reports
 
     @property

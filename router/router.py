@@ -112,7 +112,32 @@ class Router:
     requests_completed: int = 0
     requests_failed: int = 0
     in_flight: dict[str, _Route] = field(default_factory=dict)
+    _streams: dict[str, asyncio.Queue] = field(default_factory=dict)  # request id -> its chunks
     _background: set = field(default_factory=set)
+
+    def start(self) -> None:
+        """Subscribes to every decode worker's output stream (call once, on the router's event loop)."""
+        for worker in self.decode_pool.workers:
+            task = asyncio.get_running_loop().create_task(self._pump(worker))
+            self._background.add(task)
+
+    async def _pump(self, worker: WorkerHandle) -> None:
+        """Fans one decode worker's per-step batches out to the requests' queues."""
+        try:
+            async for ref in worker.actor.outputs.remote():
+                for chunk in await ref:
+                    stream = self._streams.get(chunk.request_id)
+                    if stream is not None:
+                        stream.put_nowait(chunk)
+            error = "its output stream ended"
+        except Exception as failure:  # the actor died or was stopped
+            error = f"{type(failure).__name__}: {failure}"
+        if worker.state != "stopping":
+            log.warning("decode worker %s is gone (%s); failing its requests", worker.worker_id, error)
+        worker.state = "dead"
+        for request_id, route in list(self.in_flight.items()):
+            if route.decode is worker and request_id in self._streams:
+                self._streams[request_id].put_nowait(TokenChunk(request_id, (), error=f"worker {worker.worker_id} failed: {error}"))
 
     async def generate(self, request: ValidatedRequest) -> AsyncIterator[StreamItem]:
         stop_ids = frozenset(request.params.stop_token_ids) | (
@@ -128,6 +153,7 @@ class Router:
                 if finished:
                     break
         finally:
+            self._streams.pop(request.request_id, None)
             route = self.in_flight.pop(request.request_id, None)
             if route is not None:
                 self._release(request.request_id, route)
@@ -174,8 +200,8 @@ class Router:
         yield self._item(progress, (result.first_token_id,), None, decode)
         if result.deliveries:
             self._fire(decode.actor.deliver.remote(result.deliveries))
-        stream = decode.actor.generate.remote(rid, request.prompt_ids, result.first_token_id, request.params)
-        async for chunk in self._chunks(stream, route):
+        await decode.actor.admit.remote(rid, request.prompt_ids, result.first_token_id, request.params)
+        async for chunk in self._chunks(rid, route):
             if chunk.kv_ready_wall_s is not None:
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
                 route.prefill_released = True
@@ -209,16 +235,17 @@ class Router:
     async def _colocated(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
         worker = self.decode_pool.pick()
         route = self._track(request.request_id, None, worker)
-        stream = worker.actor.generate_colocated.remote(request.request_id, request.prompt_ids, request.params)
-        async for chunk in self._chunks(stream, route):
+        await worker.actor.admit_colocated.remote(request.request_id, request.prompt_ids, request.params)
+        async for chunk in self._chunks(request.request_id, route):
             progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    async def _chunks(self, generator, route: _Route) -> AsyncIterator[TokenChunk]:
-        async for ref in generator:
-            chunk: TokenChunk = await ref
+    async def _chunks(self, request_id: str, route: _Route) -> AsyncIterator[TokenChunk]:
+        stream = self._streams[request_id]
+        while True:
+            chunk: TokenChunk = await stream.get()
             if chunk.error is not None:
                 route.decode_finished = True  # the worker already dropped it
                 raise WorkerError(chunk.error)
@@ -227,7 +254,6 @@ class Router:
             yield chunk
             if chunk.finish_reason is not None:
                 return
-        raise WorkerError("the worker's stream ended before the request finished")
 
     def _item(self, progress: _Progress, token_ids, finish_reason: Optional[str], decode: WorkerHandle) -> StreamItem:
         now = time.monotonic()
@@ -261,6 +287,7 @@ class Router:
             if worker is not None:
                 worker.in_flight += 1
         route = self.in_flight[request_id] = _Route(prefill, decode, prefill_released=prefill is None)
+        self._streams[request_id] = asyncio.Queue()  # before any call that could make the worker emit
         return route
 
     def _fire(self, awaitable) -> None:
