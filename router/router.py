@@ -246,8 +246,7 @@ class Router:
         stream = self._streams[request_id]
         while True:
             chunk: TokenChunk = await stream.get()
-            if chunk.error is not None:
-                route.decode_finished = True  # the worker already dropped it
+            if chunk.error is not None:  # the abort sent on the way out clears anything left behind
                 raise WorkerError(chunk.error)
             if chunk.finish_reason is not None:
                 route.decode_finished = True

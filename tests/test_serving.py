@@ -170,3 +170,31 @@ def test_colocated_mode_gives_the_same_answers(harness, expected):
         assert [w.role for w in stats.workers] == ["colocated"]
     finally:
         system.stop()
+
+
+def test_a_decode_worker_dying_mid_stream_fails_the_request_without_hanging(harness):
+    import ray
+
+    system = harness.start(transport="ray")
+    try:
+        with system.client(timeout_s=60) as client:
+            call = client.stream(client.request("Write an essay about rivers.", max_tokens=400, temperature=0, ignore_eos=True))
+            received = 0
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as failure:
+                for _ in call:
+                    received += 1
+                    if received == 3:
+                        ray.kill(system.system.router.decode_pool.workers[0].actor)
+            assert failure.value.code() == grpc.StatusCode.UNAVAILABLE and "decode-0" in failure.value.details()
+            assert time.monotonic() - started < 30
+        stats = system.stats()
+        assert [w.state for w in stats.workers if w.role == "decode"] == ["dead"]
+        prefill = next(w for w in stats.workers if w.role == "prefill")
+        deadline = time.monotonic() + 40  # the prefill side frees its blocks by abort (or lease) too
+        while prefill.kv_blocks_free != prefill.kv_blocks_total and time.monotonic() < deadline:
+            time.sleep(0.5)
+            prefill = next(w for w in system.stats().workers if w.role == "prefill")
+        assert prefill.kv_blocks_free == prefill.kv_blocks_total
+    finally:
+        system.stop()
