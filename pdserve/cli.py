@@ -161,6 +161,29 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_scale(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scale", help="resize a running server's pools; returns when the new sizes are in effect")
+    _add_client_args(p)
+    p.add_argument("--prefill", type=int, default=None)
+    p.add_argument("--decode", type=int, default=None)
+    p.set_defaults(handler=_scale)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.client import PdserveClient
+
+    with PdserveClient(args.host, args.port) as client:
+        try:
+            reply = client.scale(args.prefill, args.decode)
+        except grpc.RpcError as error:
+            print(f"pdserve scale: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    print(f"ready: {reply.prefill} prefill, {reply.decode} decode")
+    return 0
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="start a local 1 prefill + 1 decode system, send a few chat prompts, stop")
     p.add_argument("--transport", default="ray", choices=["ray", "grpc"])
@@ -177,7 +200,7 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate, _add_serve, _add_chat, _add_status, _add_demo):
+    for add in (_add_generate, _add_serve, _add_chat, _add_status, _add_scale, _add_demo):
         add(sub)
     return parser
 

@@ -80,6 +80,14 @@ class PdserveClient:
     def stats(self) -> "pb.GetStatsResponse":
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=30)
 
+    def scale(self, prefill: Optional[int] = None, decode: Optional[int] = None, timeout_s: float = 600) -> "pb.ScaleResponse":
+        request = pb.ScaleRequest()
+        if prefill is not None:
+            request.prefill = prefill
+        if decode is not None:
+            request.decode = decode
+        return self.stub.Scale(request, timeout=timeout_s)
+
     def is_serving(self) -> bool:
         try:
             reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class System:
     server: object
     port: int
     health: object
-    actors: list = field(default_factory=list)
+    pools: object  # pdserve.pools.PoolManager
 
     async def stats(self):
         from pdserve_proto import pdserve_pb2 as pb
@@ -110,52 +110,34 @@ class System:
         return response
 
     async def stop(self) -> None:
-        import ray
-
         await self.server.stop(grace=2.0)
-        for pool in (self.router.prefill_pool, self.router.decode_pool):
-            for worker in pool.workers:
-                worker.state = "stopping"
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors.clear()
+        self.pools.stop_all()
 
 
 async def start_system(config: ServeConfig) -> System:
     init_ray(config)  # before anything imports ray: the loopback setting is read at import
-    import ray
 
-    from decode_worker.worker import DecodeWorker
     from engine.tokenizer import load_tokenizer
-    from prefill_worker.worker import PrefillWorker
+    from pdserve.pools import PoolManager
     from router.grpc_server import GenerationServicer, mark_serving, start_grpc_server
-    from router.pool import WorkerHandle, WorkerPool
+    from router.pool import WorkerPool
     from router.router import Router, RouterConfig
     from router.validation import ValidationLimits
 
     started = time.monotonic()
     tokenizer = load_tokenizer(config.model)
-    engine_config = config.engine_config()
-    epoch = int(time.time())
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
-    decode_class = ray.remote(DecodeWorker).options(num_cpus=config.cpus_per_worker)
-    prefill_class = ray.remote(PrefillWorker).options(num_cpus=config.cpus_per_worker)
-    decode_actors = [decode_class.remote(f"{decode_role}-{i}", engine_config, config.transport, config.kv_host, decode_role)
-                     for i in range(config.num_decode)]
-    prefill_actors = []
-    if config.mode == "disaggregated":
-        prefill_actors = [prefill_class.remote(f"prefill-{i}", engine_config, config.transport, epoch)
-                          for i in range(config.num_prefill)]
-    infos = await asyncio.gather(*(a.info.remote() for a in decode_actors + prefill_actors))
-    decode_pool = WorkerPool(decode_role, [WorkerHandle(a, i) for a, i in zip(decode_actors, infos)])
-    prefill_pool = WorkerPool("prefill", [WorkerHandle(a, i) for a, i in zip(prefill_actors, infos[len(decode_actors):])])
-    router = Router(RouterConfig(config.mode), tokenizer, prefill_pool, decode_pool)
-    router.start()
-    limits = ValidationLimits(max_context_tokens=infos[0].max_context_tokens, vocab_size=infos[0].vocab_size)
-    system = System(config, router, None, 0, None, decode_actors + prefill_actors)
-    servicer = GenerationServicer(router, limits, system.stats)
+    router = Router(RouterConfig(config.mode), tokenizer, WorkerPool("prefill"), WorkerPool(decode_role))
+    pools = PoolManager(config, router, epoch=int(time.time()))
+    await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
+                         pools.add_workers("prefill", config.num_prefill if config.mode == "disaggregated" else 0))
+    info = router.decode_pool.workers[0].info
+    limits = ValidationLimits(max_context_tokens=info.max_context_tokens, vocab_size=info.vocab_size)
+    system = System(config, router, None, 0, None, pools)
+    servicer = GenerationServicer(router, limits, system.stats, pools.scale)
     system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port)
     await mark_serving(system.health)
     log.info("pdserve ready on %s:%d (%s, %s transport, %d prefill + %d decode) in %.1f s", config.host, system.port,
-             config.mode, config.transport, len(prefill_actors), len(decode_actors), time.monotonic() - started)
+             config.mode, config.transport, len(router.prefill_pool.workers), len(router.decode_pool.workers),
+             time.monotonic() - started)
     return system

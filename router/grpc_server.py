@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,10 +22,11 @@ SERVICE_NAME = "pdserve.v1.Generation"
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, limits: ValidationLimits, stats: Callable[[], "pb.GetStatsResponse"]):
+    def __init__(self, router: Router, limits: ValidationLimits, stats: Callable, scale: Callable):
         self.router = router
         self.limits = limits
         self._stats = stats
+        self._scale = scale  # async (prefill: Optional[int], decode: Optional[int]) -> (ready prefill, ready decode)
 
     async def Generate(self, request, context):
         try:
@@ -55,6 +56,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetStats(self, request, context):
         return await self._stats()
+
+    async def Scale(self, request, context):
+        prefill = request.prefill if request.HasField("prefill") else None
+        decode = request.decode if request.HasField("decode") else None
+        try:
+            ready_prefill, ready_decode = await self._scale(prefill, decode)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return pb.ScaleResponse(prefill=ready_prefill, decode=ready_decode)
 
 
 def _response(request_id: str, item: StreamItem) -> "pb.GenerateResponse":

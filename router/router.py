@@ -115,11 +115,11 @@ class Router:
     _streams: dict[str, asyncio.Queue] = field(default_factory=dict)  # request id -> its chunks
     _background: set = field(default_factory=set)
 
-    def start(self) -> None:
-        """Subscribes to every decode worker's output stream (call once, on the router's event loop)."""
-        for worker in self.decode_pool.workers:
-            task = asyncio.get_running_loop().create_task(self._pump(worker))
-            self._background.add(task)
+    def watch(self, worker: WorkerHandle) -> None:
+        """Subscribes to a decode worker's output stream (on the router's event loop)."""
+        task = asyncio.get_running_loop().create_task(self._pump(worker))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _pump(self, worker: WorkerHandle) -> None:
         """Fans one decode worker's per-step batches out to the requests' queues."""

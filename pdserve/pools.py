@@ -1,0 +1,114 @@
+"""Creating, growing and shrinking the worker pools while serving.
+
+New workers join routing only once they answered `info` (their engine is loaded). Removed workers are
+drained: the router stops sending them requests, the ones they hold run to completion, then the actor
+is stopped. On a cluster whose nodes carry the custom resources `pdserve_prefill` / `pdserve_decode`
+(cluster.yaml), each pool's actors request theirs, so they land only on their own node type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+NODE_RESOURCE = {"prefill": "pdserve_prefill", "decode": "pdserve_decode", "colocated": "pdserve_decode"}
+_RESOURCE_PER_WORKER = 0.01  # a node type's marker, not a capacity: CPUs and GPUs bound the count
+_DRAIN_POLL_S = 0.1
+
+
+class PoolManager:
+    def __init__(self, config, router, epoch: int):
+        self.config = config
+        self.router = router
+        self.epoch = epoch
+        self.engine_config = config.engine_config()
+        self._next_index = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._draining: set[asyncio.Task] = set()
+
+    @property
+    def decode_role(self) -> str:
+        return "decode" if self.config.mode == "disaggregated" else "colocated"
+
+    def _pool(self, role: str):
+        return self.router.prefill_pool if role == "prefill" else self.router.decode_pool
+
+    def _actor_options(self, role: str) -> dict:
+        import ray
+
+        options = {"num_cpus": self.config.cpus_per_worker}
+        resource = NODE_RESOURCE[role]
+        if resource in ray.cluster_resources():
+            options["resources"] = {resource: _RESOURCE_PER_WORKER}
+        return options
+
+    async def add_workers(self, role: str, count: int) -> list:
+        import ray
+
+        from decode_worker.worker import DecodeWorker
+        from prefill_worker.worker import PrefillWorker
+        from router.pool import WorkerHandle
+
+        if count == 0:
+            return []
+        actors = []
+        for _ in range(count):
+            worker_id = f"{role}-{self._next_index[role]}"
+            self._next_index[role] += 1
+            options = self._actor_options(role)
+            if role == "prefill":
+                actor = ray.remote(PrefillWorker).options(**options).remote(
+                    worker_id, self.engine_config, self.config.transport, self.epoch)
+            else:
+                actor = ray.remote(DecodeWorker).options(**options).remote(
+                    worker_id, self.engine_config, self.config.transport, self.config.kv_host, role)
+            actors.append(actor)
+        infos = await asyncio.gather(*(actor.info.remote() for actor in actors))  # ready = engine loaded
+        handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
+        self._pool(role).workers.extend(handles)
+        if role != "prefill":
+            for handle in handles:
+                self.router.watch(handle)
+        log.info("%s pool: %d worker(s) joined: %s", role, count, ", ".join(h.worker_id for h in handles))
+        return handles
+
+    async def scale(self, prefill: Optional[int] = None, decode: Optional[int] = None) -> tuple[int, int]:
+        """Returns once the new sizes are in effect: added workers ready, removed ones draining."""
+        if prefill is not None and self.config.mode != "disaggregated":
+            raise ValueError("prefill: a colocated system has no prefill pool")
+        for role, target in (("prefill", prefill), (self.decode_role, decode)):
+            if target is None:
+                continue
+            if target < 1:
+                raise ValueError(f"{role}: a pool needs at least 1 worker, got {target}")
+            ready = self._pool(role).ready()
+            if target > len(ready):
+                await self.add_workers(role, target - len(ready))
+            for worker in sorted(ready, key=lambda w: w.in_flight)[: max(0, len(ready) - target)]:
+                worker.state = "draining"  # the router stops picking it now
+                task = asyncio.get_running_loop().create_task(self._drain_and_stop(role, worker))
+                self._draining.add(task)
+                task.add_done_callback(self._draining.discard)
+        return len(self.router.prefill_pool.ready()), len(self.router.decode_pool.ready())
+
+    async def _drain_and_stop(self, role: str, worker) -> None:
+        import ray
+
+        while worker.in_flight > 0:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        worker.state = "stopping"
+        ray.kill(worker.actor)
+        self._pool(role).workers.remove(worker)
+        log.info("%s pool: %s drained and stopped", role, worker.worker_id)
+
+    def stop_all(self) -> None:
+        import ray
+
+        for task in list(self._draining):
+            task.cancel()
+        for pool in (self.router.prefill_pool, self.router.decode_pool):
+            for worker in pool.workers:
+                worker.state = "stopping"
+                ray.kill(worker.actor)

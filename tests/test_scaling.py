@@ -1,0 +1,87 @@
+"""Resizing the pools while serving: new workers take requests once ready; removed ones drain first."""
+
+import threading
+import time
+
+import pytest
+
+from tests.serving_harness import Harness
+
+
+@pytest.fixture(scope="module")
+def system():
+    harness = Harness()
+    running = harness.start(transport="ray")
+    yield running
+    running.stop()
+    harness.close()
+
+
+class SteadyLoad:
+    """A few client threads sending short greedy requests back to back until stopped."""
+
+    def __init__(self, system, threads: int = 3):
+        self.system = system
+        self.completions, self.errors = [], []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, index: int) -> None:
+        with self.system.client(timeout_s=120) as client:
+            while not self._stop.is_set():
+                try:
+                    self.completions.append(client.chat(f"Say one word about the number {index}.", max_tokens=6, temperature=0))
+                except Exception as error:  # every failure is a test failure: collect, assert later
+                    self.errors.append(error)
+
+    def stop(self):
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+        return self
+
+
+def _decode_workers(system):
+    return sorted(w.worker_id for w in system.stats().workers if w.role == "decode")
+
+
+def test_scale_decode_up_then_down_under_load(system):
+    load = SteadyLoad(system)
+    try:
+        time.sleep(2)
+        started = time.monotonic()
+        with system.client() as client:
+            reply = client.scale(decode=2)
+        scale_up_s = time.monotonic() - started
+        assert reply.decode == 2 and reply.prefill == 1
+        assert _decode_workers(system) == ["decode-0", "decode-1"]
+        served_before = len(load.completions)
+        deadline = time.monotonic() + 30
+        while not any(c.decode_worker == "decode-1" for c in load.completions[served_before:]):
+            assert time.monotonic() < deadline, "no request reached the new decode worker"
+            time.sleep(0.2)
+        with system.client() as client:
+            assert client.scale(decode=1).decode == 1  # one worker starts draining now
+        deadline = time.monotonic() + 60
+        while len(_decode_workers(system)) > 1:
+            assert time.monotonic() < deadline, "the drained worker never stopped"
+            time.sleep(0.2)
+        time.sleep(1)  # the load keeps running on the survivor
+    finally:
+        load.stop()
+    assert not load.errors, load.errors[:3]
+    assert len(load.completions) > 10 and all(c.finish_reason in ("stop", "length") and c.token_ids for c in load.completions)
+    stats = system.wait_idle()
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+    print(f"scale-up to a serving worker: {scale_up_s:.1f} s")
+
+
+def test_scale_rejects_impossible_sizes(system):
+    import grpc
+
+    with system.client() as client:
+        with pytest.raises(grpc.RpcError) as failure:
+            client.scale(decode=0)
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least 1" in failure.value.details()
