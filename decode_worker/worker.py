@@ -22,7 +22,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker_messages import TokenChunk, WorkerInfo, WorkerLoad
-from engine.worker_runtime import node_name, start_engine
+from engine.worker_runtime import node_ip_address, node_name, start_engine
 from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
 
@@ -59,8 +59,18 @@ class DecodeWorker:
         self.loop.expecting_events = lambda: self.receiver.reservations.num_reserved_requests > 0
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.role, node_name(), self.receiver.address, self.engine.allocator.num_blocks,
+        return WorkerInfo(self.worker_id, self.role, node_name(), self._kv_address(), self.engine.allocator.num_blocks,
                           self.engine.model_config.max_context_tokens, self.engine.model_config.vocab_size)
+
+    def _kv_address(self) -> Optional[str]:
+        """Where senders reach our KV receiver: a wildcard bind is advertised as this node's address."""
+        address = self.receiver.address
+        if address is None:
+            return None
+        host, _, port = address.rpartition(":")
+        if host in ("0.0.0.0", "[::]", "::"):
+            host = node_ip_address()
+        return f"{host}:{port}"
 
     # -- disaggregated path --------------------------------------------------------------------
 

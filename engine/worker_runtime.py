@@ -44,3 +44,12 @@ def node_name() -> str:
         return ray.get_runtime_context().get_node_id()[:12]
     except Exception:
         return socket.gethostname()
+
+
+def node_ip_address() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())
