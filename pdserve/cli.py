@@ -62,6 +62,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-host", default="127.0.0.1", help="address decode workers' gRPC KV receivers bind (grpc transport)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
+    p.add_argument("--autoscale", action="store_true", help="grow/shrink each pool from queue time, TTFT and KV use")
+    p.add_argument("--min-prefill", type=int, default=1)
+    p.add_argument("--max-prefill", type=int, default=4)
+    p.add_argument("--min-decode", type=int, default=1)
+    p.add_argument("--max-decode", type=int, default=4)
+    p.add_argument("--autoscale-cooldown-s", type=float, default=30.0)
     p.set_defaults(handler=_serve)
 
 
@@ -72,6 +78,12 @@ def _serve_config(args: argparse.Namespace, **overrides):
                   num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
                   address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,
                   kv_cache_bytes=args.kv_cache_mib << 20)
+    if args.autoscale:
+        from router.autoscaler import AutoscaleConfig
+
+        fields["autoscale"] = AutoscaleConfig(min_prefill=args.min_prefill, max_prefill=args.max_prefill,
+                                              min_decode=args.min_decode, max_decode=args.max_decode,
+                                              cooldown_s=args.autoscale_cooldown_s)
     fields.update(overrides)
     return ServeConfig(**fields)
 

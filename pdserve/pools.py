@@ -112,3 +112,63 @@ class PoolManager:
             for worker in pool.workers:
                 worker.state = "stopping"
                 ray.kill(worker.actor)
+
+
+class AutoscaleLoop:
+    """Every `interval_s`: gather the router's signals, ask the policy, apply its decisions."""
+
+    def __init__(self, pools: PoolManager, config):
+        from router.autoscaler import AutoscalePolicy
+
+        self.pools = pools
+        self.router = pools.router
+        self.config = config
+        self.policy = AutoscalePolicy(config)
+        self.decisions: list[str] = []  # newest last; shown by GetStats
+        self._task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        import time
+
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                signals = await self._signals(time.monotonic())
+                for decision in self.policy.decide(time.monotonic(), signals):
+                    if decision.pool == "prefill" and self.pools.config.mode != "disaggregated":
+                        continue
+                    line = f"{time.strftime('%H:%M:%S')} {decision.pool} -> {decision.size}: {decision.reason}"
+                    log.info("autoscaler: %s", line)
+                    self.decisions = (self.decisions + [line])[-50:]
+                    if decision.pool == "prefill":
+                        await self.pools.scale(prefill=decision.size)
+                    else:
+                        await self.pools.scale(decode=decision.size)
+            except Exception:  # a failed round must not end autoscaling; the next one retries
+                log.exception("autoscaler round failed")
+
+    async def _signals(self, now_s: float):
+        from statistics import median
+
+        from router.autoscaler import Signals
+
+        window = [(t, ttft, queue) for t, ttft, queue in self.router.recent_first_tokens if now_s - t <= 30.0]
+        decode = self.router.decode_pool.ready()
+        loads = await asyncio.gather(*(w.actor.load.remote() for w in decode), return_exceptions=True)
+        loads = [load for load in loads if not isinstance(load, Exception)]
+        total = sum(load.kv_blocks_total for load in loads) or 1
+        used = sum(load.kv_blocks_total - load.kv_blocks_free for load in loads)
+        return Signals(
+            prefill_workers=len(self.router.prefill_pool.ready()), decode_workers=len(decode),
+            ttft_p50_s=median(w[1] for w in window) if window else None,
+            queue_p50_s=median(w[2] for w in window) if window else None,
+            decode_kv_use=used / total, waiting_for_kv=self.router.waiting_for_kv,
+            requests_in_flight=len(self.router.in_flight) + self.router.waiting_for_kv,
+        )

@@ -39,6 +39,7 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     object_store_bytes: int = 512 << 20
+    autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +86,7 @@ class System:
     port: int
     health: object
     pools: object  # pdserve.pools.PoolManager
+    autoscaler: Optional[object] = None  # pdserve.pools.AutoscaleLoop
 
     async def stats(self):
         from pdserve_proto import pdserve_pb2 as pb
@@ -93,7 +95,8 @@ class System:
         response = pb.GetStatsResponse(mode=self.config.mode, transport=self.config.transport, model=self.config.model,
                                        requests_in_flight=len(router.in_flight),
                                        requests_completed=router.requests_completed,
-                                       requests_failed=router.requests_failed)
+                                       requests_failed=router.requests_failed,
+                                       autoscaler_decisions=self.autoscaler.decisions if self.autoscaler else [])
         for pool in (router.prefill_pool, router.decode_pool):
             loads = await asyncio.gather(*(w.actor.load.remote() for w in pool.workers), return_exceptions=True)
             for worker, load in zip(pool.workers, loads):
@@ -110,6 +113,8 @@ class System:
         return response
 
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         await self.server.stop(grace=2.0)
         self.pools.stop_all()
 
@@ -118,7 +123,7 @@ async def start_system(config: ServeConfig) -> System:
     init_ray(config)  # before anything imports ray: the loopback setting is read at import
 
     from engine.tokenizer import load_tokenizer
-    from pdserve.pools import PoolManager
+    from pdserve.pools import AutoscaleLoop, PoolManager
     from router.grpc_server import GenerationServicer, mark_serving, start_grpc_server
     from router.pool import WorkerPool
     from router.router import Router, RouterConfig
@@ -136,6 +141,9 @@ async def start_system(config: ServeConfig) -> System:
     system = System(config, router, None, 0, None, pools)
     servicer = GenerationServicer(router, limits, system.stats, pools.scale)
     system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port)
+    if config.autoscale is not None:
+        system.autoscaler = AutoscaleLoop(pools, config.autoscale)
+        system.autoscaler.start()
     await mark_serving(system.health)
     log.info("pdserve ready on %s:%d (%s, %s transport, %d prefill + %d decode) in %.1f s", config.host, system.port,
              config.mode, config.transport, len(router.prefill_pool.workers), len(router.decode_pool.workers),

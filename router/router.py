@@ -9,6 +9,7 @@ If the client goes away, the request is aborted on every worker that holds it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -113,6 +114,10 @@ class Router:
     requests_failed: int = 0
     in_flight: dict[str, _Route] = field(default_factory=dict)
     _streams: dict[str, asyncio.Queue] = field(default_factory=dict)  # request id -> its chunks
+    # (monotonic time, TTFT s, queue s) of recent first tokens, and requests waiting for KV room:
+    # the autoscaler's signals.
+    recent_first_tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
+    waiting_for_kv: int = 0
     _background: set = field(default_factory=set)
 
     def watch(self, worker: WorkerHandle) -> None:
@@ -193,6 +198,8 @@ class Router:
             prefill.in_flight -= 1
         progress.prefill = result
         progress.cached_prompt_tokens = result.num_cached_prompt_tokens
+        now = time.monotonic()
+        self.recent_first_tokens.append((now, now - progress.start_s, result.queue_s))
         if result.finish_reason is not None:  # finished at its first token: nothing to hand off or decode
             route.prefill_released = True
             yield self._item(progress, (result.first_token_id,), result.finish_reason, decode)
@@ -213,24 +220,32 @@ class Router:
         all are full, so a transfer never lands where there is no room and a busy pool queues."""
         deadline = time.monotonic() + self.config.admission_timeout_s
         delay_s = 0.005
-        while True:
-            tried: tuple[str, ...] = ()
-            for _ in self.decode_pool.ready():
-                decode = self.decode_pool.pick(exclude=tried)
-                try:
-                    await decode.actor.reserve.remote(request.request_id, len(request.prompt_ids),
-                                                      self.config.kv_reservation_timeout_s)
-                    return decode
-                except ray_task_error() as error:
-                    if not isinstance(error.cause, OutOfBlocksError):
-                        raise
-                    tried += (decode.worker_id,)
-            if time.monotonic() + delay_s > deadline:
-                raise AdmissionTimeoutError(
-                    f"no decode worker had KV room for {len(request.prompt_ids)} prompt tokens within "
-                    f"{self.config.admission_timeout_s:.0f} s")
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, 0.1)
+        waiting = False  # counted in `waiting_for_kv` (an autoscaler signal) once a full round failed
+        try:
+            while True:
+                tried: tuple[str, ...] = ()
+                for _ in self.decode_pool.ready():
+                    decode = self.decode_pool.pick(exclude=tried)
+                    try:
+                        await decode.actor.reserve.remote(request.request_id, len(request.prompt_ids),
+                                                          self.config.kv_reservation_timeout_s)
+                        return decode
+                    except ray_task_error() as error:
+                        if not isinstance(error.cause, OutOfBlocksError):
+                            raise
+                        tried += (decode.worker_id,)
+                if time.monotonic() + delay_s > deadline:
+                    raise AdmissionTimeoutError(
+                        f"no decode worker had KV room for {len(request.prompt_ids)} prompt tokens within "
+                        f"{self.config.admission_timeout_s:.0f} s")
+                if not waiting:
+                    waiting = True
+                    self.waiting_for_kv += 1
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 0.1)
+        finally:
+            if waiting:
+                self.waiting_for_kv -= 1
 
     async def _colocated(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
         worker = self.decode_pool.pick()

@@ -35,7 +35,9 @@ class RunningSystem:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.system.stop(), self.loop).result(timeout=60)
+        if self.system is not None:  # idempotent: a test may stop a shared system early
+            asyncio.run_coroutine_threadsafe(self.system.stop(), self.loop).result(timeout=60)
+            self.system = None
 
 
 class Harness:

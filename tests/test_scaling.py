@@ -9,12 +9,17 @@ from tests.serving_harness import Harness
 
 
 @pytest.fixture(scope="module")
-def system():
-    harness = Harness()
+def harness():
+    h = Harness()
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def system(harness):
     running = harness.start(transport="ray")
     yield running
     running.stop()
-    harness.close()
 
 
 class SteadyLoad:
@@ -85,3 +90,33 @@ def test_scale_rejects_impossible_sizes(system):
         with pytest.raises(grpc.RpcError) as failure:
             client.scale(decode=0)
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least 1" in failure.value.details()
+
+
+def test_autoscaler_grows_the_bottleneck_pool_under_load_and_shrinks_it_after(system, harness):
+    from router.autoscaler import AutoscaleConfig
+
+    system.stop()  # two systems would crowd two cores; this test brings its own
+    # Any real prefill misses a 10 ms TTFT target, and KV never counts as full: prefill is the bottleneck.
+    config = AutoscaleConfig(max_prefill=2, max_decode=2, ttft_target_s=0.01, queue_target_s=10.0, kv_use_high=1.01,
+                             cooldown_s=1.0, idle_s=3.0, interval_s=0.5)
+    scaled = harness.start(transport="ray", autoscale=config)
+    try:
+        load = SteadyLoad(scaled, threads=2)
+        try:
+            deadline = time.monotonic() + 60
+            while sorted(w.worker_id for w in scaled.stats().workers if w.role == "prefill") != ["prefill-0", "prefill-1"]:
+                assert time.monotonic() < deadline, "prefill never grew under load"
+                time.sleep(0.5)
+        finally:
+            load.stop()
+        deadline = time.monotonic() + 60
+        while len([w for w in scaled.stats().workers if w.role == "prefill"]) != 1:
+            assert time.monotonic() < deadline, "prefill never shrank after the load stopped"
+            time.sleep(0.5)
+        stats = scaled.stats()
+        assert [w.role for w in stats.workers].count("decode") == 1  # decode was never the bottleneck
+        assert any("prefill -> 2: grow" in line for line in stats.autoscaler_decisions)
+        assert any("prefill -> 1: shrink" in line for line in stats.autoscaler_decisions)
+        assert not load.errors
+    finally:
+        scaled.stop()
