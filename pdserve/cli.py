@@ -166,10 +166,14 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
         return 0
     print(f"{stats.mode}, {stats.transport} transport, model {stats.model}: "
-          f"{stats.requests_in_flight} in flight, {stats.requests_completed} completed, {stats.requests_failed} failed")
+          f"{stats.requests_in_flight} in flight, {stats.requests_waiting_for_kv} waiting for KV room, "
+          f"{stats.requests_completed} completed, {stats.requests_failed} failed; recent TTFT p50 "
+          f"{stats.recent_ttft_p50_s * 1e3:.0f} ms, TPOT p50 {stats.recent_tpot_p50_s * 1e3:.1f} ms")
     for w in stats.workers:
         print(f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  running {w.running_requests}  "
               f"waiting {w.waiting_requests}  KV free {w.kv_blocks_free}/{w.kv_blocks_total}  served {w.requests_served}")
+    for line in stats.autoscaler_decisions:
+        print(f"  autoscaler: {line}")
     return 0
 
 

@@ -155,11 +155,10 @@ class AutoscaleLoop:
                 log.exception("autoscaler round failed")
 
     async def _signals(self, now_s: float):
-        from statistics import median
-
         from router.autoscaler import Signals
 
-        window = [(t, ttft, queue) for t, ttft, queue in self.router.recent_first_tokens if now_s - t <= 30.0]
+        router = self.router
+        queues = [(t, queue) for t, _, queue in router.recent_first_tokens]
         decode = self.router.decode_pool.ready()
         loads = await asyncio.gather(*(w.actor.load.remote() for w in decode), return_exceptions=True)
         loads = [load for load in loads if not isinstance(load, Exception)]
@@ -167,8 +166,8 @@ class AutoscaleLoop:
         used = sum(load.kv_blocks_total - load.kv_blocks_free for load in loads)
         return Signals(
             prefill_workers=len(self.router.prefill_pool.ready()), decode_workers=len(decode),
-            ttft_p50_s=median(w[1] for w in window) if window else None,
-            queue_p50_s=median(w[2] for w in window) if window else None,
+            ttft_p50_s=router.recent_p50(router.recent_first_tokens, now_s),
+            queue_p50_s=router.recent_p50(queues, now_s),
             decode_kv_use=used / total, waiting_for_kv=self.router.waiting_for_kv,
             requests_in_flight=len(self.router.in_flight) + self.router.waiting_for_kv,
         )

@@ -92,11 +92,15 @@ class System:
         from pdserve_proto import pdserve_pb2 as pb
 
         router = self.router
+        now = time.monotonic()
         response = pb.GetStatsResponse(mode=self.config.mode, transport=self.config.transport, model=self.config.model,
                                        requests_in_flight=len(router.in_flight),
                                        requests_completed=router.requests_completed,
                                        requests_failed=router.requests_failed,
-                                       autoscaler_decisions=self.autoscaler.decisions if self.autoscaler else [])
+                                       autoscaler_decisions=self.autoscaler.decisions if self.autoscaler else [],
+                                       requests_waiting_for_kv=router.waiting_for_kv,
+                                       recent_ttft_p50_s=router.recent_p50(router.recent_first_tokens, now) or 0.0,
+                                       recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0)
         for pool in (router.prefill_pool, router.decode_pool):
             loads = await asyncio.gather(*(w.actor.load.remote() for w in pool.workers), return_exceptions=True)
             for worker, load in zip(pool.workers, loads):

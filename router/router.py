@@ -117,8 +117,14 @@ class Router:
     # (monotonic time, TTFT s, queue s) of recent first tokens, and requests waiting for KV room:
     # the autoscaler's signals.
     recent_first_tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
+    recent_tpots: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))  # (time, TPOT s)
     waiting_for_kv: int = 0
     _background: set = field(default_factory=set)
+
+    def recent_p50(self, samples: collections.deque, now_s: float, window_s: float = 30.0) -> Optional[float]:
+        """Median of the second field of recent (time, value, ...) samples, or None."""
+        values = sorted(sample[1] for sample in samples if now_s - sample[0] <= window_s)
+        return values[len(values) // 2] if values else None
 
     def watch(self, worker: WorkerHandle) -> None:
         """Subscribes to a decode worker's output stream (on the router's event loop)."""
@@ -285,6 +291,10 @@ class Router:
         first = progress.first_token_s or now
         ttft_s = first - progress.start_s
         tokens = progress.completion_tokens
+        if tokens > 1:
+            self.recent_tpots.append((now, (now - first) / (tokens - 1)))
+        if progress.prefill is None:  # colocated: the first token came from the one worker
+            self.recent_first_tokens.append((now, ttft_s, 0.0))
         prefill = progress.prefill
         return FinalInfo(
             finish_reason=finish_reason, prompt_tokens=progress.prompt_tokens, completion_tokens=tokens,

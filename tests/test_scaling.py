@@ -92,6 +92,26 @@ def test_scale_rejects_impossible_sizes(system):
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least 1" in failure.value.details()
 
 
+def test_status_json_lists_every_worker_with_role_node_and_state(system):
+    import json
+    import subprocess
+    import sys
+
+    with system.client() as client:
+        client.chat("Hello!", max_tokens=4, temperature=0)
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--port", str(system.port), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    workers = status["workers"]
+    assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
+    assert all(w["node"] and w["state"] == "ready" for w in workers)
+    assert status["recent_ttft_p50_s"] > 0 and status["mode"] == "disaggregated"
+    missing = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--port", "1"], capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode == 1 and "no server ready" in missing.stderr
+
+
 def test_autoscaler_grows_the_bottleneck_pool_under_load_and_shrinks_it_after(system, harness):
     from router.autoscaler import AutoscaleConfig
 
