@@ -27,6 +27,7 @@ class PoolManager:
         self.engine_config = config.engine_config()
         self._next_index = {"prefill": 0, "decode": 0, "colocated": 0}
         self._draining: set[asyncio.Task] = set()
+        self.stopped: list = []  # WorkerLoad of each drained worker, taken just before it stopped
 
     @property
     def decode_role(self) -> str:
@@ -98,6 +99,14 @@ class PoolManager:
 
         while worker.in_flight > 0:
             await asyncio.sleep(_DRAIN_POLL_S)
+        try:
+            load = await worker.actor.load.remote()
+            self.stopped.append(load)
+            if load.kv_blocks_free != load.kv_blocks_total:
+                log.warning("%s drained with %d of %d KV blocks still in use", worker.worker_id,
+                            load.kv_blocks_total - load.kv_blocks_free, load.kv_blocks_total)
+        except Exception as error:  # it died while draining: nothing left to free
+            log.warning("%s died while draining: %s", worker.worker_id, error)
         worker.state = "stopping"
         ray.kill(worker.actor)
         self._pool(role).workers.remove(worker)

@@ -33,3 +33,13 @@ def hf_smollm_fp32(default_gguf):
 
     model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """A local Ray cluster and a router event loop for one test module's pdserve systems."""
+    from tests.serving_harness import Harness
+
+    h = Harness()
+    yield h
+    h.close()

@@ -5,14 +5,6 @@ import time
 
 import pytest
 
-from tests.serving_harness import Harness
-
-
-@pytest.fixture(scope="module")
-def harness():
-    h = Harness()
-    yield h
-    h.close()
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +72,8 @@ def test_scale_decode_up_then_down_under_load(system):
     assert len(load.completions) > 10 and all(c.finish_reason in ("stop", "length") and c.token_ids for c in load.completions)
     stats = system.wait_idle()
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+    [removed] = system.system.pools.stopped  # the drained worker had freed all its KV before it stopped
+    assert removed.worker_id in ("decode-0", "decode-1") and removed.kv_blocks_free == removed.kv_blocks_total
     print(f"scale-up to a serving worker: {scale_up_s:.1f} s")
 
 

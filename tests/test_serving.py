@@ -11,16 +11,8 @@ import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.serving_harness import Harness
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three rivers in Europe."]
-
-
-@pytest.fixture(scope="module")
-def harness():
-    h = Harness()
-    yield h
-    h.close()
 
 
 @pytest.fixture(scope="module")
