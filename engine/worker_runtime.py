@@ -3,6 +3,7 @@ engine, and describe itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -31,7 +32,7 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     threads = granted_cpus()
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    engine = LLMEngine(EngineConfig(**{**config.__dict__, "num_threads": threads}))
+    engine = LLMEngine(dataclasses.replace(config, num_threads=threads))
     log.info("engine ready: model %s, %s, %d threads, %d KV blocks", config.model, config.dtype, threads,
              engine.allocator.num_blocks)
     return engine

@@ -88,7 +88,7 @@ async def start_grpc_server(servicer: GenerationServicer, host: str, port: int) 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
@@ -102,9 +102,7 @@ async def start_grpc_server(servicer: GenerationServicer, host: str, port: int) 
 
 
 async def _set_status(health_servicer, service: str, status) -> None:
-    result = health_servicer.set(service, status)
-    if hasattr(result, "__await__"):
-        await result
+    await health_servicer.set(service, status)
 
 
 async def mark_serving(health_servicer, serving: bool = True) -> None:

@@ -3,6 +3,7 @@ that names the field and the limit (the router sends it as INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ def validate(request, tokenizer: Tokenizer, limits: ValidationLimits) -> Validat
     params = _sampling_params(request.sampling, limits)
     room = limits.max_context_tokens - len(prompt_ids)
     if params.max_tokens > room:
-        params = SamplingParams(**{**params.__dict__, "max_tokens": room})  # OpenAI-style: cut to the context
+        params = dataclasses.replace(params, max_tokens=room)  # OpenAI-style: cut to the context
     return ValidatedRequest(request_id, prompt_ids, params)
 
 
