@@ -22,6 +22,16 @@ class ModelNotFoundError(FileNotFoundError):
     """The model a user named does not exist where they said, or the default is not installed."""
 
 
+def resolve_model_path(spec: str) -> Path:
+    """The file or directory a `--model` spec names: `default`, a .gguf file or an HF directory."""
+    if spec == DEFAULT_MODEL_NAME:
+        return default_model_path()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {spec!r} does not exist (give a .gguf file, an HF directory, 'default' or 'dummy:<shape>')")
+    return path
+
+
 def default_model_path() -> Path:
     override = os.environ.get(ENV_OVERRIDE)
     if override:

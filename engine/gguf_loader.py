@@ -8,11 +8,14 @@ weights match the HF layout our RoPE uses.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
 from engine.config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported only where tensors are built
+    import torch
 
 _SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 _GGUF_MAGIC = b"GGUF"
@@ -95,7 +98,7 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
-def iter_hf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, "torch.Tensor"]]:
+def iter_hf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, fp32 tensor) for every weight in the file."""
     import torch
     from gguf.quants import dequantize

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from engine.config import ModelConfig, config_from_hf
+
+if TYPE_CHECKING:  # torch is imported only where tensors are built
+    import torch
 
 
 def read_config(path: Path) -> tuple[ModelConfig, tuple[int, ...]]:
@@ -29,7 +32,7 @@ def read_generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else ((value,) if value is not None else ())
 
 
-def iter_hf_tensors(path: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
+def iter_hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))

@@ -222,7 +222,7 @@ class LLMEngine:
                 self._detokenizers.pop(seq.request_id, None)
                 output.handed_off = True
             else:
-                self.scheduler.start_running(seq)
+                self.scheduler.add_running(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             output.finished, output.finish_reason = True, reason.value

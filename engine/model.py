@@ -82,10 +82,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._cos_sin: Optional[torch.Tensor] = None
 
-    def set_freq_factors(self, freq_factors: torch.Tensor) -> None:
-        self.inv_freq = rope_inv_freq(self.config, freq_factors).to(self.inv_freq.device)
-        self._cos_sin = None
-
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._cos_sin
         if table is None or table.dtype != dtype or table.device != positions.device:

@@ -34,9 +34,9 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, output_index: int)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = scaled.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens ranked before it already reach top_p (the top one always stays).
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         scaled = scaled.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
     probs = scaled.softmax(-1)
     seed = params.seed if params.seed is not None else random.getrandbits(63)

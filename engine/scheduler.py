@@ -46,7 +46,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sequence whose KV (all but its last token) is already in the cache, e.g. transferred in."""
+        """A sequence whose KV (all but its last token) is in the cache: prefilled here or transferred in."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -116,10 +116,6 @@ class Scheduler:
     def after_decode(self, batch: ScheduledBatch) -> None:
         for seq in batch.seqs:
             seq.num_computed_tokens += 1
-
-    def start_running(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq in self.running:

@@ -255,11 +255,9 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer of a model spec (`default`, a .gguf file or an HF directory), without torch."""
-    from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, default_model_path
+    from engine.default_model import resolve_model_path
 
-    path = default_model_path() if spec == DEFAULT_MODEL_NAME else Path(spec).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {spec!r} does not exist")
+    path = resolve_model_path(spec)
     if path.is_dir():
         from engine.hf_loader import read_generation_eos
 

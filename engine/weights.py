@@ -7,14 +7,13 @@ casts to the serving dtype and loads them with `assign=True` (no second copy of 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 
 from engine.config import NAMED_SHAPES, ModelConfig
 from engine.cpu_packing import pack_linears, packing_supported
-from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, default_model_path
+from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
 from engine.model import LlamaModel, rope_inv_freq
 from engine.tokenizer import Tokenizer
 
@@ -34,15 +33,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def resolve_model_path(spec: str) -> Path:
-    if spec == DEFAULT_MODEL_NAME:
-        return default_model_path()
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {spec!r} does not exist (give a .gguf file, an HF directory, 'default' or 'dummy:<shape>')")
-    return path
 
 
 def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> LoadedModel:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 
 import torch
@@ -31,7 +30,6 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     # a worker uses exactly the CPUs it was granted.
     threads = granted_cpus()
     torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
     engine = LLMEngine(dataclasses.replace(config, num_threads=threads))
     log.info("engine ready: model %s, %s, %d threads, %d KV blocks", config.model, config.dtype, threads,
              engine.allocator.num_blocks)

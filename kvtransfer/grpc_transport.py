@@ -197,7 +197,7 @@ class GrpcKVReceiver(KVReceiver):
             fields = None
         if not isinstance(fields, dict) or fields.get("version") != WIRE_VERSION or \
                 not isinstance(fields.get("request_id"), str):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"WireFormatError: malformed KV abort notice")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WireFormatError: malformed KV abort notice")
         request_id = fields["request_id"]
         self.reservations.fail(request_id, errors.TransferAbortedError(
             f"request {request_id!r} aborted by sender {fields.get('sender_id')!r}", request_id),

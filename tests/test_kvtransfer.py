@@ -24,13 +24,10 @@ from kvtransfer import (
     create_sender,
 )
 from kvtransfer.grpc_transport import PUSH_METHOD
-from kvtransfer.testing import KVEnd
+from kvtransfer.testing import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd
 from kvtransfer.wire import WIRE_VERSION
 
-FP32 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size_tokens=4, dtype="float32")
 BF16 = KVLayout(num_layers=5, num_kv_heads=3, head_dim=64, block_size_tokens=16, dtype="bfloat16")
-LAYER_GROUPS = {"whole": [slice(None)], "layerwise": [slice(0, 1), slice(1, 3), slice(3, None)]}
-TOTAL_BLOCKS = 48
 
 
 def wait_for(predicate, timeout_s: float = 5.0, interval_s: float = 0.01):
@@ -72,6 +69,16 @@ def grpc_pair(ends):
     yield make
     for close in closers:
         close()
+
+
+def open_handoff(sender, receiver, sender_end, num_blocks: int, reserve_timeout_s: float = 5.0,
+                 lease_s: float | None = None, first_layers: slice = slice(0, 1)) -> list[int]:
+    """Allocates, reserves, starts request "r" and ships its first layer group; returns the sender's blocks."""
+    blocks = sender_end.allocator.allocate(num_blocks)
+    receiver.reserve("r", num_blocks, timeout_s=reserve_timeout_s)
+    sender.start("r", blocks, receiver.address, **({} if lease_s is None else {"lease_s": lease_s}))
+    sender.send_layers("r", first_layers)
+    return blocks
 
 
 def settle(sender, receiver, request_id: str, timeout_s: float = 5.0):
@@ -177,10 +184,7 @@ def test_grpc_flipped_byte_is_caught_and_nothing_is_ready(grpc_pair, corrupt_fra
 
 def test_grpc_layout_mismatch_fails_both_sides_at_first_message(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair(FP32, dataclasses.replace(FP32, dtype="bfloat16"))
-    blocks = sender_end.allocator.allocate(2)
-    receiver.reserve("r", 2, timeout_s=5.0)
-    sender.start("r", blocks, receiver.address)
-    sender.send_layers("r", slice(0, 1))  # the stream stays open: the first header alone must fail it
+    open_handoff(sender, receiver, sender_end, 2)  # the stream stays open: the first header alone must fail it
     receiver_error, sender_error = settle(sender, receiver, "r")
     for error in (receiver_error, sender_error):
         assert isinstance(error, LayoutMismatchError) and "dtype 'float32' != ours 'bfloat16'" in str(error)
@@ -201,10 +205,7 @@ def test_grpc_version_mismatch_rejected_at_first_frame(grpc_pair):
 
 def test_grpc_sender_gone_mid_transfer_frees_reservation(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair()
-    blocks = sender_end.allocator.allocate(4)
-    receiver.reserve("r", 4, timeout_s=5.0)
-    sender.start("r", blocks, receiver.address)
-    sender.send_layers("r", slice(0, 2))
+    open_handoff(sender, receiver, sender_end, 4, first_layers=slice(0, 2))
     wait_for(lambda: receiver._contexts.get("r") is not None)
     for channel in sender._channels.values():  # what the receiver sees when the sender's process dies
         channel.close()
@@ -215,10 +216,7 @@ def test_grpc_sender_gone_mid_transfer_frees_reservation(grpc_pair):
 
 def test_grpc_silent_sender_reservation_expires(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair()
-    blocks = sender_end.allocator.allocate(2)
-    receiver.reserve("r", 2, timeout_s=0.3)
-    sender.start("r", blocks, receiver.address)
-    sender.send_layers("r", slice(0, 1))  # then the sender stalls, stream open
+    open_handoff(sender, receiver, sender_end, 2, reserve_timeout_s=0.3)  # then the sender stalls, stream open
     assert receiver.poll().failed == ()
     error = wait_for(lambda: dict(receiver.poll().failed).get("r"), timeout_s=3.0)
     assert isinstance(error, ReservationExpiredError) and "1/4 layers" in str(error)
@@ -227,10 +225,7 @@ def test_grpc_silent_sender_reservation_expires(grpc_pair):
 
 def test_grpc_unacknowledged_lease_expires(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair()
-    blocks = sender_end.allocator.allocate(2)
-    receiver.reserve("r", 2, timeout_s=5.0)
-    sender.start("r", blocks, receiver.address, lease_s=0.3)
-    sender.send_layers("r", slice(0, 1))  # the last layers never go out, so no ack can come
+    open_handoff(sender, receiver, sender_end, 2, lease_s=0.3)  # the last layers never go out: no ack can come
     receiver_result, sender_error = settle(sender, receiver, "r")
     assert isinstance(sender_error, LeaseExpiredError)
     assert isinstance(receiver_result, TransferAbortedError)  # the stream was cut: reservation freed
@@ -238,10 +233,7 @@ def test_grpc_unacknowledged_lease_expires(grpc_pair):
 
 def test_grpc_abort_by_sender_frees_both(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair()
-    blocks = sender_end.allocator.allocate(3)
-    receiver.reserve("r", 3, timeout_s=5.0)
-    sender.start("r", blocks, receiver.address)
-    sender.send_layers("r", slice(0, 1))
+    open_handoff(sender, receiver, sender_end, 3)
     sender.abort("r")
     assert sender_end.all_free
     error = wait_for(lambda: dict(receiver.poll().failed).get("r"), timeout_s=3.0)
@@ -250,10 +242,7 @@ def test_grpc_abort_by_sender_frees_both(grpc_pair):
 
 def test_grpc_abort_by_receiver_frees_both(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair()
-    blocks = sender_end.allocator.allocate(3)
-    receiver.reserve("r", 3, timeout_s=5.0)
-    sender.start("r", blocks, receiver.address)
-    sender.send_layers("r", slice(0, 1))
+    open_handoff(sender, receiver, sender_end, 3)
     wait_for(lambda: receiver._contexts.get("r") is not None)
     assert receiver.abort("r") and receiver_end.all_free
     error = wait_for(lambda: dict(sender.poll().failed).get("r"), timeout_s=3.0)

@@ -24,13 +24,10 @@ from kvtransfer import (  # noqa: E402
     create_sender,
 )
 from kvtransfer.ray_transport import RayKVDelivery  # noqa: E402
-from kvtransfer.testing import KVEnd, KVEndWorker  # noqa: E402
+from kvtransfer.testing import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd, KVEndWorker  # noqa: E402
 from kvtransfer.wire import KVGroupHeader  # noqa: E402
 
-FP32 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size_tokens=4, dtype="float32")
 BF16 = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64, block_size_tokens=16, dtype="bfloat16")
-LAYER_GROUPS = {"whole": [slice(None)], "layerwise": [slice(0, 1), slice(1, 3), slice(3, None)]}
-TOTAL_BLOCKS = 48
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,6 @@ def cluster():
 
 
 def test_pools_are_placed_on_their_node_types_and_serve(cluster):
-    import ray
-
     ray_cluster, prefill_node_id, decode_node_id = cluster
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

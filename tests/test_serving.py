@@ -1,7 +1,6 @@
 """The whole system on a local Ray cluster (loopback only): router, prefill and decode actors, KV
 transfer over both transports, token streaming, continuous batching, cancellation, bad input."""
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
