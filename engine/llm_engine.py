@@ -43,6 +43,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
+    # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes text
+    # only for requests with stop strings, which it must see to stop at the right token.
+    detokenize: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -111,9 +114,12 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_ids, params.with_seed(), arrival_time_s=time.monotonic(),
                        hand_off_after_prefill=hand_off_after_prefill)
         self._seqs[request_id] = seq
-        if self.tokenizer is not None:
+        if self._needs_text(params):
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self.scheduler.add(seq)
+
+    def _needs_text(self, params: SamplingParams) -> bool:
+        return self.tokenizer is not None and (self.config.detokenize or bool(params.stop))
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -178,7 +184,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_ids), params, output_token_ids=[first_token_id], block_ids=list(block_ids),
                        num_computed_tokens=len(prompt_ids), arrival_time_s=time.monotonic())
         self._seqs[request_id] = seq
-        if self.tokenizer is not None:
+        if self._needs_text(params):
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
             detok.add_token(first_token_id)  # its text was streamed by the prefill side
             self._detokenizers[request_id] = detok

@@ -30,7 +30,7 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     # a worker uses exactly the CPUs it was granted.
     threads = granted_cpus()
     torch.set_num_threads(threads)
-    engine = LLMEngine(dataclasses.replace(config, num_threads=threads))
+    engine = LLMEngine(dataclasses.replace(config, num_threads=threads, detokenize=False))  # the router detokenizes
     log.info("engine ready: model %s, %s, %d threads, %d KV blocks", config.model, config.dtype, threads,
              engine.allocator.num_blocks)
     return engine

@@ -79,6 +79,12 @@ def test_stop_strings_cut_the_text(smollm_fp32):
     assert "Paris" in full.text
     cut = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=("Paris",)))[0]
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index("Paris")]
+    # A worker's engine (no output text) still stops at the same token.
+    quiet = LLMEngine(EngineConfig(kv_cache_bytes=32 * 2**20, detokenize=False), loaded=smollm_fp32)
+    silent_cut = quiet.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=("Paris",)))[0]
+    assert silent_cut.finish_reason == "stop" and silent_cut.token_ids == cut.token_ids
+    plain = quiet.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert plain.token_ids == full.token_ids[:4] and plain.text == ""  # no stop strings: no decoding at all
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny):
