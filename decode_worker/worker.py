@@ -13,6 +13,7 @@ request per step. Everything touching the engine runs on its loop thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import AsyncIterator, Optional, Sequence
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.telemetry import gpu_stats
 from engine.worker_messages import TokenChunk, WorkerInfo, WorkerLoad
 from engine.worker_runtime import node_ip_address, node_name, start_engine
 from kvtransfer.errors import KVTransferError
@@ -115,7 +117,8 @@ class DecodeWorker:
         return await self.loop.call(lambda: self._abort(request_id))
 
     async def load(self) -> WorkerLoad:
-        return await self.loop.call(self._load)
+        gpus, gpu_note = gpu_stats()  # here, not on the engine thread: NVML calls take a while
+        return dataclasses.replace(await self.loop.call(self._load), gpus=gpus, gpu_note=gpu_note)
 
     # -- loop thread ---------------------------------------------------------------------------
 

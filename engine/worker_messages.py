@@ -48,6 +48,15 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class GpuStats:
+    index: int
+    name: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization: float  # 0..1, NVML's "percent of time a kernel ran" over its last sample period
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     worker_id: str
     running_requests: int
@@ -58,3 +67,5 @@ class WorkerLoad:
     max_batch_size_seen: int
     decode_steps: int = 0  # steps that decoded only (no prefill) since start, and their total time
     decode_steps_s: float = 0.0
+    gpus: tuple[GpuStats, ...] = ()
+    gpu_note: str = ""  # why `gpus` is empty ("no GPU (...)")

@@ -68,6 +68,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-decode", type=int, default=4)
     p.add_argument("--autoscale-cooldown-s", type=float, default=30.0)
+    p.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API (and /metrics) on this port")
+    p.add_argument("--served-model-name", default=None, help="the model id of the HTTP API (default: the model file's name)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="a data-plane API key (repeatable; default: $PDSERVE_API_KEY, comma-separated)")
+    p.add_argument("--admin-token", default=None, help="the token for admin calls such as Scale (default: $PDSERVE_ADMIN_TOKEN)")
+    p.add_argument("--insecure", action="store_true", help="allow serving beyond 127.0.0.1 without an API key and admin token")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: TLS for the gRPC and HTTP servers (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--max-in-flight", type=int, default=1024, help="requests held at once; beyond: RESOURCE_EXHAUSTED / HTTP 429")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued for decode KV room; beyond: RESOURCE_EXHAUSTED / HTTP 429")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON lines (both carry the request id)")
     p.set_defaults(handler=_serve)
 
 
@@ -77,7 +88,11 @@ def _serve_config(args: argparse.Namespace, **overrides):
     fields = dict(model=args.model, dtype=args.dtype, mode=args.mode, transport=args.transport,
                   num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
                   address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,
-                  kv_cache_bytes=args.kv_cache_mib << 20)
+                  kv_cache_bytes=args.kv_cache_mib << 20, http_port=args.http_port,
+                  served_model_name=args.served_model_name, api_keys=_api_keys(args.api_key),
+                  admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,
+                  insecure=args.insecure, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                  max_in_flight=args.max_in_flight, max_waiting_for_kv=args.max_waiting)
     if args.autoscale:
         from router.autoscaler import AutoscaleConfig
 
@@ -88,16 +103,26 @@ def _serve_config(args: argparse.Namespace, **overrides):
     return ServeConfig(**fields)
 
 
+def _api_keys(given: Optional[list[str]]) -> tuple[str, ...]:
+    keys = given if given else os.environ.get("PDSERVE_API_KEY", "").split(",")
+    return tuple(key.strip() for key in keys if key.strip())
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
     from pdserve.system import start_system
+    from router.logs import configure_logging
+
+    configure_logging("INFO", json_lines=args.log_format == "json")
+    config = _serve_config(args)  # bad flags fail here, before Ray starts
 
     async def run() -> None:
-        system = await start_system(_serve_config(args))
-        print(f"pdserve: serving on {args.host}:{system.port} ({args.mode}, {args.transport} transport); Ctrl-C stops",
-              file=sys.stderr, flush=True)
+        system = await start_system(config)
+        http = f", HTTP on {args.host}:{system.http_port}" if system.http_port else ""
+        print(f"pdserve: serving gRPC on {args.host}:{system.port}{http} ({args.mode}, {args.transport} transport); "
+              "Ctrl-C stops", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -109,9 +134,24 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_client_args(p: argparse.ArgumentParser) -> None:
+def _add_client_args(p: argparse.ArgumentParser, admin: bool = False) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--tls-ca", default=None, help="PEM root certificate: connect with TLS")
+    if admin:
+        p.add_argument("--admin-token", default=None, help="default: $PDSERVE_ADMIN_TOKEN")
+    else:
+        p.add_argument("--api-key", default=None, help="default: $PDSERVE_API_KEY (its first key)")
+
+
+def _client(args: argparse.Namespace):
+    from pdserve.client import PdserveClient
+
+    if hasattr(args, "admin_token"):
+        token = args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN")
+    else:
+        token = args.api_key or next(iter(_api_keys(None)), None)
+    return PdserveClient(args.host, args.port, api_key=token, tls_ca=args.tls_ca)
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
@@ -126,9 +166,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 def _chat(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.client import PdserveClient
-
-    with PdserveClient(args.host, args.port) as client:
+    with _client(args) as client:
         request = client.request(messages=[{"role": "user", "content": args.prompt}],
                                  temperature=args.temperature, max_tokens=args.max_tokens)
         try:
@@ -155,9 +193,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from google.protobuf.json_format import MessageToDict
 
-    from pdserve.client import PdserveClient
-
-    with PdserveClient(args.host, args.port) as client:
+    with _client(args) as client:
         if not client.wait_ready(args.wait) and not client.is_serving():
             print(f"pdserve status: no server ready at {args.host}:{args.port}", file=sys.stderr)
             return 1
@@ -179,7 +215,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _add_scale(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("scale", help="resize a running server's pools; returns when the new sizes are in effect")
-    _add_client_args(p)
+    _add_client_args(p, admin=True)
     p.add_argument("--prefill", type=int, default=None)
     p.add_argument("--decode", type=int, default=None)
     p.set_defaults(handler=_scale)
@@ -188,9 +224,7 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
 def _scale(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.client import PdserveClient
-
-    with PdserveClient(args.host, args.port) as client:
+    with _client(args) as client:
         try:
             reply = client.scale(args.prefill, args.decode)
         except grpc.RpcError as error:

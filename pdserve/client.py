@@ -28,10 +28,19 @@ class Completion:
 
 
 class PdserveClient:
-    def __init__(self, host: str = "127.0.0.1", port: int = 50051, timeout_s: Optional[float] = None):
-        self.channel = grpc.insecure_channel(f"{host}:{port}")
+    def __init__(self, host: str = "127.0.0.1", port: int = 50051, timeout_s: Optional[float] = None,
+                 api_key: Optional[str] = None, tls_ca: Optional[str] = None):
+        """`api_key` (or the admin token, for admin calls) goes as `authorization: Bearer` metadata;
+        `tls_ca` (a PEM root certificate file) connects with TLS."""
+        address = f"{host}:{port}"
+        if tls_ca is None:
+            self.channel = grpc.insecure_channel(address)
+        else:
+            with open(tls_ca, "rb") as certificate:
+                self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(certificate.read()))
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def close(self) -> None:
         self.channel.close()
@@ -55,7 +64,7 @@ class PdserveClient:
         return request
 
     def stream(self, request: "pb.GenerateRequest") -> Iterator["pb.GenerateResponse"]:
-        return self.stub.Generate(request, timeout=self.timeout_s)
+        return self.stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def generate(self, request: "pb.GenerateRequest") -> Completion:
         done = Completion(sent_at_s=time.monotonic())
@@ -75,10 +84,10 @@ class PdserveClient:
         return self.generate(self.request(messages=[{"role": "user", "content": content}], **sampling))
 
     def abort(self, request_id: str) -> bool:
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10).found
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10, metadata=self.metadata).found
 
     def stats(self) -> "pb.GetStatsResponse":
-        return self.stub.GetStats(pb.GetStatsRequest(), timeout=30)
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=30, metadata=self.metadata)
 
     def scale(self, prefill: Optional[int] = None, decode: Optional[int] = None, timeout_s: float = 600) -> "pb.ScaleResponse":
         request = pb.ScaleRequest()
@@ -86,7 +95,7 @@ class PdserveClient:
             request.prefill = prefill
         if decode is not None:
             request.decode = decode
-        return self.stub.Scale(request, timeout=timeout_s)
+        return self.stub.Scale(request, timeout=timeout_s, metadata=self.metadata)
 
     def is_serving(self) -> bool:
         try:

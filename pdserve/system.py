@@ -40,6 +40,15 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     object_store_bytes: int = 512 << 20
     autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
+    http_port: Optional[int] = None  # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
+    served_model_name: Optional[str] = None  # the model id of the HTTP API; default: the model file's name
+    api_keys: tuple[str, ...] = ()  # data-plane keys; none: no key needed (allowed on loopback only)
+    admin_token: Optional[str] = None  # for Scale and other admin calls
+    insecure: bool = False  # allow serving beyond loopback without keys
+    tls_cert: Optional[str] = None  # PEM files: both set turns TLS on for the gRPC and HTTP servers
+    tls_key: Optional[str] = None
+    max_in_flight: int = 1024  # requests the router holds at once; beyond: RESOURCE_EXHAUSTED / 429
+    max_waiting_for_kv: int = 256  # of those, queued for KV room on a decode worker
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,6 +57,29 @@ class ServeConfig:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
             raise ValueError("need at least one decode worker, and one prefill worker when disaggregated")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        from router.auth import check_bind
+
+        check_bind(self.host, self.credentials, self.insecure)
+
+    @property
+    def credentials(self):
+        from router.auth import Credentials
+
+        return Credentials(tuple(self.api_keys), self.admin_token)
+
+    @property
+    def tls(self) -> Optional[tuple[str, str]]:
+        return (self.tls_cert, self.tls_key) if self.tls_cert and self.tls_key else None
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        from engine.default_model import resolve_model_path
+
+        return self.model if self.model.startswith("dummy:") else resolve_model_path(self.model).stem
 
     def engine_config(self):
         from engine.llm_engine import EngineConfig  # imported inside the workers' processes only
@@ -87,6 +119,25 @@ class System:
     health: object
     pools: object  # pdserve.pools.PoolManager
     autoscaler: Optional[object] = None  # pdserve.pools.AutoscaleLoop
+    http_runner: Optional[object] = None  # aiohttp AppRunner of the OpenAI-compatible server
+    http_port: Optional[int] = None
+    ready: bool = False
+
+    async def worker_loads(self) -> list:
+        """(handle, WorkerLoad or the exception it raised) for every worker of both pools, asked at once."""
+        workers = [w for pool in (self.router.prefill_pool, self.router.decode_pool) for w in pool.workers]
+        loads = await asyncio.gather(*(w.actor.load.remote() for w in workers), return_exceptions=True)
+        for worker, load in zip(workers, loads):
+            if not isinstance(load, BaseException):
+                worker.kv_blocks_free = load.kv_blocks_free
+        return list(zip(workers, loads))
+
+    async def metrics_snapshot(self):
+        from router.metrics import Snapshot, WorkerRow
+
+        rows = [WorkerRow(w.worker_id, w.info.role, w.state if not isinstance(load, BaseException) else "dead",
+                          None if isinstance(load, BaseException) else load) for w, load in await self.worker_loads()]
+        return Snapshot(rows, self.router.active, self.router.waiting_for_kv)
 
     async def stats(self):
         from pdserve_proto import pdserve_pb2 as pb
@@ -101,24 +152,24 @@ class System:
                                        requests_waiting_for_kv=router.waiting_for_kv,
                                        recent_ttft_p50_s=router.recent_p50(router.recent_first_tokens, now) or 0.0,
                                        recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0)
-        for pool in (router.prefill_pool, router.decode_pool):
-            loads = await asyncio.gather(*(w.actor.load.remote() for w in pool.workers), return_exceptions=True)
-            for worker, load in zip(pool.workers, loads):
-                stats = response.workers.add(worker_id=worker.worker_id, role=worker.info.role, node=worker.info.node,
-                                             state=worker.state if not isinstance(load, Exception) else "dead")
-                if not isinstance(load, Exception):
-                    worker.kv_blocks_free = load.kv_blocks_free
-                    stats.running_requests = load.running_requests
-                    stats.waiting_requests = load.waiting_requests
-                    stats.kv_blocks_total = load.kv_blocks_total
-                    stats.kv_blocks_free = load.kv_blocks_free
-                    stats.requests_served = load.requests_served
-                    stats.max_batch_size_seen = load.max_batch_size_seen
+        for worker, load in await self.worker_loads():
+            failed = isinstance(load, BaseException)
+            stats = response.workers.add(worker_id=worker.worker_id, role=worker.info.role, node=worker.info.node,
+                                         state=worker.state if not failed else "dead")
+            if not failed:
+                stats.running_requests = load.running_requests
+                stats.waiting_requests = load.waiting_requests
+                stats.kv_blocks_total = load.kv_blocks_total
+                stats.kv_blocks_free = load.kv_blocks_free
+                stats.requests_served = load.requests_served
+                stats.max_batch_size_seen = load.max_batch_size_seen
         return response
 
     async def stop(self) -> None:
         if self.autoscaler is not None:
             self.autoscaler.stop()
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()
         await self.server.stop(grace=2.0)
         self.pools.stop_all()
 
@@ -129,6 +180,7 @@ async def start_system(config: ServeConfig) -> System:
     from engine.tokenizer import load_tokenizer
     from pdserve.pools import AutoscaleLoop, PoolManager
     from router.grpc_server import GenerationServicer, mark_serving, start_grpc_server
+    from router.overload import AdmissionLimits
     from router.pool import WorkerPool
     from router.router import Router, RouterConfig
     from router.validation import ValidationLimits
@@ -136,20 +188,45 @@ async def start_system(config: ServeConfig) -> System:
     started = time.monotonic()
     tokenizer = load_tokenizer(config.model)
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
-    router = Router(RouterConfig(config.mode), tokenizer, WorkerPool("prefill"), WorkerPool(decode_role))
+    admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
+    router = Router(RouterConfig(config.mode, limits=admission), tokenizer, WorkerPool("prefill"), WorkerPool(decode_role))
     pools = PoolManager(config, router, epoch=int(time.time()))
     await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
                          pools.add_workers("prefill", config.num_prefill if config.mode == "disaggregated" else 0))
     info = router.decode_pool.workers[0].info
     limits = ValidationLimits(max_context_tokens=info.max_context_tokens, vocab_size=info.vocab_size)
     system = System(config, router, None, 0, None, pools)
-    servicer = GenerationServicer(router, limits, system.stats, pools.scale)
-    system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port)
+    servicer = GenerationServicer(router, limits, system.stats, pools.scale, config.credentials)
+    system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port, config.tls)
+    if config.http_port is not None:
+        system.http_runner, system.http_port = await start_http(system, limits)
     if config.autoscale is not None:
         system.autoscaler = AutoscaleLoop(pools, config.autoscale)
         system.autoscaler.start()
     await mark_serving(system.health)
-    log.info("pdserve ready on %s:%d (%s, %s transport, %d prefill + %d decode) in %.1f s", config.host, system.port,
+    system.ready = True
+    log.info("pdserve ready on %s: gRPC port %d, HTTP port %s (%s, %s transport, %d prefill + %d decode) in %.1f s",
+             config.host, system.port, system.http_port,
              config.mode, config.transport, len(router.prefill_pool.workers), len(router.decode_pool.workers),
              time.monotonic() - started)
     return system
+
+
+async def start_http(system: System, limits):
+    """The OpenAI-compatible HTTP server over this system's router; returns (runner, bound port)."""
+    from router.http_server import HttpFrontend, start_http_server
+
+    config = system.config
+    frontend = HttpFrontend(system.router, limits, config.model_name, config.credentials, system.metrics_snapshot,
+                            system.pools.scale, lambda: system.ready)
+    return await start_http_server(frontend, config.host, config.http_port, _ssl_context(config.tls))
+
+
+def _ssl_context(tls: Optional[tuple[str, str]]):
+    if tls is None:
+        return None
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*tls)
+    return context

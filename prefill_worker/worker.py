@@ -8,6 +8,7 @@ expires (`kvtransfer` frees them then). Everything touching the engine runs on i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Optional, Sequence
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.telemetry import gpu_stats
 from engine.worker_messages import PrefillResult, WorkerInfo, WorkerLoad
 from engine.worker_runtime import node_name, start_engine
 from kvtransfer.registry import create_sender
@@ -69,7 +71,8 @@ class PrefillWorker:
         return await self.loop.call(lambda: self._abort(request_id))
 
     async def load(self) -> WorkerLoad:
-        return await self.loop.call(self._load)
+        gpus, gpu_note = gpu_stats()  # here, not on the engine thread: NVML calls take a while
+        return dataclasses.replace(await self.loop.call(self._load), gpus=gpus, gpu_note=gpu_note)
 
     # -- loop thread ---------------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -11,6 +13,9 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.auth import AuthError, Credentials
+from router.logs import request_context
+from router.overload import OverloadedError
 from router.pool import NoWorkerError
 from router.router import AdmissionTimeoutError, Router, StreamItem, WorkerError
 from router.validation import RequestValidationError, ValidationLimits, validate
@@ -22,42 +27,71 @@ SERVICE_NAME = "pdserve.v1.Generation"
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, limits: ValidationLimits, stats: Callable, scale: Callable):
+    def __init__(self, router: Router, limits: ValidationLimits, stats: Callable, scale: Callable,
+                 credentials: Credentials = Credentials()):
         self.router = router
         self.limits = limits
         self._stats = stats
         self._scale = scale  # async (prefill: Optional[int], decode: Optional[int]) -> (ready prefill, ready decode)
+        self.credentials = credentials
+
+    async def _authorize(self, context, admin: bool) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            self.credentials.check(metadata.get("authorization"), admin)
+        except AuthError as error:
+            self.router.metrics.requests.labels("unauthorized").inc()
+            code = grpc.StatusCode.UNAUTHENTICATED if error.status == 401 else grpc.StatusCode.PERMISSION_DENIED
+            await context.abort(code, str(error))
 
     async def Generate(self, request, context):
+        await self._authorize(context, admin=False)
         try:
             validated = validate(request, self.router.tokenizer, self.limits)
         except RequestValidationError as error:
+            self.router.metrics.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if validated.request_id in self.router.in_flight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {validated.request_id!r} is already running")
+        with request_context(validated.request_id):
+            code, message = await self._stream(validated, context)
+        if code is not None:
+            await context.abort(code, message)
+
+    async def _stream(self, validated, context) -> tuple[Optional[grpc.StatusCode], str]:
+        """Streams the request to the client; returns the status to end with on failure."""
+        remaining_s = context.time_remaining()  # the client's deadline, honoured here and on the workers
         try:
-            async for item in self.router.generate(validated):
-                yield _response(validated.request_id, item)
+            async with asyncio.timeout(remaining_s), contextlib.aclosing(self.router.generate(validated)) as stream:
+                async for item in stream:
+                    await context.write(_response(validated.request_id, item))
+            return None, ""
         except NoWorkerError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except AdmissionTimeoutError as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            return grpc.StatusCode.UNAVAILABLE, str(error)
+        except (AdmissionTimeoutError, OverloadedError) as error:
+            context.set_trailing_metadata((("retry-after-s", "1"),))
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+        except TimeoutError:
+            return grpc.StatusCode.DEADLINE_EXCEEDED, f"request {validated.request_id} passed its deadline"
         except WorkerError as error:
-            log.warning("request %s failed on a worker: %s", validated.request_id, error)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {error}")
+            log.warning("failed on a worker: %s", error)
+            return grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {error}"
         except Exception as error:  # a Ray actor died or similar: the client gets a status, never a hang
             if isinstance(error, grpc.aio.AbortError):
                 raise
-            log.exception("request %s failed", validated.request_id)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {type(error).__name__}: {error}")
+            log.exception("failed")
+            return grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {type(error).__name__}: {error}"
 
     async def Abort(self, request, context):
+        await self._authorize(context, admin=False)
         return pb.AbortResponse(found=await self.router.abort(request.request_id))
 
     async def GetStats(self, request, context):
+        await self._authorize(context, admin=False)
         return await self._stats()
 
     async def Scale(self, request, context):
+        await self._authorize(context, admin=True)
         prefill = request.prefill if request.HasField("prefill") else None
         decode = request.decode if request.HasField("decode") else None
         try:
@@ -82,9 +116,11 @@ def _response(request_id: str, item: StreamItem) -> "pb.GenerateResponse":
     return response
 
 
-async def start_grpc_server(servicer: GenerationServicer, host: str, port: int) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
-    """Starts serving; returns the server, the bound port (port 0 picks one) and the health servicer,
-    which reports NOT_SERVING until the caller marks the system ready."""
+async def start_grpc_server(servicer: GenerationServicer, host: str, port: int,
+                            tls: Optional[tuple[str, str]] = None) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+    """Starts serving (TLS when `tls` is (certificate file, key file), both PEM); returns the server, the
+    bound port (port 0 picks one) and the health servicer, which reports NOT_SERVING until the caller
+    marks the system ready."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -92,7 +128,11 @@ async def start_grpc_server(servicer: GenerationServicer, host: str, port: int) 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        certificate, key = (open(path, "rb").read() for path in tls)
+        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, certificate)]))
     if bound == 0:
         raise OSError(f"could not bind the gRPC server to {host}:{port}")
     await server.start()

@@ -19,6 +19,8 @@ from engine.block_manager import OutOfBlocksError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from engine.worker_messages import PrefillResult, TokenChunk
+from router.metrics import RouterMetrics
+from router.overload import AdmissionLimits, OverloadedError
 from router.pool import WorkerHandle, WorkerPool
 from router.validation import ValidatedRequest
 
@@ -44,6 +46,7 @@ class RouterConfig:
     mode: str  # "disaggregated" or "colocated"
     kv_reservation_timeout_s: float = 30.0
     admission_timeout_s: float = 120.0  # how long a request may wait for KV room before RESOURCE_EXHAUSTED
+    limits: AdmissionLimits = AdmissionLimits()
 
 
 @dataclass
@@ -89,6 +92,7 @@ class _Progress:
     detok: IncrementalDetokenizer
     stop_token_ids: frozenset
     first_token_s: Optional[float] = None
+    last_item_s: Optional[float] = None
     completion_tokens: int = 0
     prefill: Optional[PrefillResult] = None
     kv_transfer_s: float = 0.0
@@ -119,6 +123,8 @@ class Router:
     recent_first_tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
     recent_tpots: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))  # (time, TPOT s)
     waiting_for_kv: int = 0
+    active: int = 0  # requests inside `generate` (queued or running): bounded by limits.max_in_flight
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
     _background: set = field(default_factory=set)
 
     def recent_p50(self, samples: collections.deque, now_s: float, window_s: float = 30.0) -> Optional[float]:
@@ -151,27 +157,52 @@ class Router:
                 self._streams[request_id].put_nowait(TokenChunk(request_id, (), error=f"worker {worker.worker_id} failed: {error}"))
 
     async def generate(self, request: ValidatedRequest) -> AsyncIterator[StreamItem]:
+        """Streams a request's output; the last item carries `final`. Raises OverloadedError at once
+        when the router's queues are full, and the errors of the flow (WorkerError, ...) as they come."""
+        if self.active >= self.config.limits.max_in_flight:
+            self.metrics.requests.labels("rejected").inc()
+            raise OverloadedError(f"the server holds {self.active} requests, its limit (--max-in-flight); retry later")
         stop_ids = frozenset(request.params.stop_token_ids) | (
             frozenset() if request.params.ignore_eos else frozenset(self.tokenizer.special.eos_token_ids))
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.stop)
         progress = _Progress(time.monotonic(), len(request.prompt_ids), detok, stop_ids)
         flow = self._disaggregated if self.config.mode == "disaggregated" else self._colocated
-        finished = False
+        log.info("received: %d prompt tokens, max_tokens %d", len(request.prompt_ids), request.params.max_tokens)
+        final: Optional[FinalInfo] = None
+        outcome = "aborted"  # unless it finishes or fails: the client went away
+        self.active += 1
         try:
             async for item in flow(request, progress):
-                finished = item.final is not None
+                final = item.final
+                if final is not None:
+                    self._finished(final)  # before the client sees the end, so /metrics already counts it
                 yield item
-                if finished:
+                if final is not None:
                     break
+        except (AdmissionTimeoutError, OverloadedError):
+            outcome = "rejected"
+            raise
+        except Exception:
+            outcome = "error"
+            raise
         finally:
+            self.active -= 1
             self._streams.pop(request.request_id, None)
             route = self.in_flight.pop(request.request_id, None)
             if route is not None:
                 self._release(request.request_id, route)
-            if finished:
-                self.requests_completed += 1
-            else:
+            if final is None:
                 self.requests_failed += 1
+                self.metrics.requests.labels(outcome).inc()
+                log.info("ended without finishing: %s", outcome)
+
+    def _finished(self, final: FinalInfo) -> None:
+        self.requests_completed += 1
+        self.metrics.observe_finished(final)
+        log.info("finished (%s): %d prompt (%d cached) + %d completion tokens, TTFT %.1f ms, TPOT %.1f ms, "
+                 "KV %d B in %.1f ms, prefill %s, decode %s", final.finish_reason, final.prompt_tokens,
+                 final.cached_prompt_tokens, final.completion_tokens, final.ttft_s * 1e3, final.tpot_s * 1e3,
+                 final.kv_bytes, final.kv_transfer_s * 1e3, final.prefill_worker or "-", final.decode_worker)
 
     def _release(self, request_id: str, route: _Route) -> None:
         """Settles a request's workers: counters down, and an abort wherever it may still hold blocks."""
@@ -245,6 +276,9 @@ class Router:
                         f"no decode worker had KV room for {len(request.prompt_ids)} prompt tokens within "
                         f"{self.config.admission_timeout_s:.0f} s")
                 if not waiting:
+                    if self.waiting_for_kv >= self.config.limits.max_waiting_for_kv:
+                        raise OverloadedError(f"{self.waiting_for_kv} requests already wait for KV room, the limit "
+                                              "(--max-waiting); retry later")
                     waiting = True
                     self.waiting_for_kv += 1
                 await asyncio.sleep(delay_s)
@@ -279,6 +313,11 @@ class Router:
         now = time.monotonic()
         if progress.first_token_s is None and token_ids:
             progress.first_token_s = now
+        if token_ids:
+            if progress.last_item_s is not None:
+                self.metrics.itl.observe(now - progress.last_item_s)
+            progress.last_item_s = now
+            self.metrics.generation_tokens.inc(len(token_ids))
         progress.completion_tokens += len(token_ids)
         item = StreamItem(list(token_ids), progress.text_for(token_ids, finish_reason))
         if progress.detok.stop_string is not None and finish_reason is None:

@@ -20,6 +20,7 @@ class RequestValidationError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
 
 
 @dataclass(frozen=True)

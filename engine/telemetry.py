@@ -1,0 +1,49 @@
+"""GPU telemetry through NVML (pynvml, from the nvidia-ml-py package): memory and utilisation of the
+GPUs this process may use. On a machine without a GPU or driver it reports none, with the reason,
+and never raises. No torch: the router may import it."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from engine.worker_messages import GpuStats
+
+
+@functools.cache
+def _nvml() -> tuple[Any, str]:
+    """The initialised pynvml module, or None and why not (looked up once per process)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml, ""
+    except Exception as error:  # no library, no driver, no device: all mean "no GPU" here
+        return None, f"no GPU ({type(error).__name__}: {error})"
+
+
+def _visible_indices(count: int) -> list[int]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    return [int(v) for v in visible.split(",") if v.strip().isdigit() and int(v) < count]
+
+
+def gpu_stats() -> tuple[tuple[GpuStats, ...], str]:
+    """(stats of each visible GPU, "") or ((), the reason there are none)."""
+    nvml, reason = _nvml()
+    if nvml is None:
+        return (), reason
+    try:
+        stats = []
+        for index in _visible_indices(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            utilization = nvml.nvmlDeviceGetUtilizationRates(handle)
+            name = nvml.nvmlDeviceGetName(handle)
+            stats.append(GpuStats(index, name.decode() if isinstance(name, bytes) else name, int(memory.used),
+                                  int(memory.total), utilization.gpu / 100.0))
+    except Exception as error:
+        return (), f"GPU telemetry failed ({type(error).__name__}: {error})"
+    return tuple(stats), "" if stats else "no GPU visible to this worker"

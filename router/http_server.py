@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP server (aiohttp), next to the gRPC server on the router's event loop.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream: true`), `GET /v1/models`,
+`GET /health`, `GET /metrics` (Prometheus text), `POST /admin/scale` (admin token). Every error is a
+JSON body in OpenAI's shape with the right status: 400 bad input, 401/403 keys, 404 unknown model or
+route, 413 too large, 415 not JSON, 429 overloaded (with Retry-After), 503 no worker, 504 deadline.
+A client that disconnects cancels its handler, which aborts the request on its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Optional
+
+from aiohttp import web
+
+from router.auth import AuthError, Credentials
+from router.logs import request_context
+from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics, Snapshot
+from router.openai_api import (SSE_DONE, ApiError, ParsedRequest, ResponseShape, invalid, openai_param, parse_body,
+                               parse_request, sse)
+from router.overload import OverloadedError
+from router.pool import NoWorkerError
+from router.router import AdmissionTimeoutError, Router, StreamItem, WorkerError
+from router.validation import MAX_REQUEST_ID_CHARS, RequestValidationError, ValidatedRequest, ValidationLimits, validate
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20  # as the gRPC server's message limit; the validator enforces the prompt limit
+
+
+@dataclass
+class HttpFrontend:
+    router: Router
+    limits: ValidationLimits
+    served_model: str
+    credentials: Credentials
+    snapshot: Callable[[], Awaitable[Snapshot]]  # current pools and loads, for /metrics
+    scale: Callable[[Optional[int], Optional[int]], Awaitable[tuple[int, int]]]
+    ready: Callable[[], bool]
+    started_s: float = 0.0
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        return self.router.metrics
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/metrics", self.prometheus), web.post("/admin/scale", self.admin_scale)])
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every failure becomes an OpenAI-shaped JSON error (aiohttp's own 404/405/413 included)."""
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return _error_response(error)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            return _error_response(ApiError(error.status, f"{error.reason}: {request.method} {request.path}"))
+
+    # -- data plane ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._authorize(request, admin=False)
+        return web.json_response({"object": "list", "data": [{
+            "id": self.served_model, "object": "model", "created": int(self.started_s), "owned_by": "pdserve",
+            "max_model_len": self.limits.max_context_tokens}]})
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+            raise ApiError(400, f"X-Request-Id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters", "X-Request-Id")
+        with request_context(request_id):
+            try:
+                self._authorize(request, admin=False)
+                parsed, validated = await self._parse(request, chat, request_id)
+            except ApiError as error:
+                self.metrics.requests.labels("unauthorized" if error.status in (401, 403) else "invalid").inc()
+                raise
+            shape = ResponseShape(parsed, self.served_model, validated.request_id)
+            stream = self.router.generate(validated)
+            async with contextlib.aclosing(stream):
+                try:
+                    first = await anext(stream)  # failures before the first token still get their own status
+                except Exception as error:
+                    raise _api_error(error, validated.request_id) from error
+                if not parsed.stream:
+                    return await _whole(stream, first, shape, validated.request_id)
+                return await _event_stream(request, stream, first, shape, validated.request_id)
+
+    async def _parse(self, request: web.Request, chat: bool, request_id: str) -> tuple[ParsedRequest, ValidatedRequest]:
+        if request.content_type != "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, got {request.content_type or 'none'!r}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as error:
+            raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes") from error
+        parsed = parse_request(parse_body(raw), chat, self.served_model, request_id)
+        try:
+            validated = validate(parsed.request, self.router.tokenizer, self.limits)
+        except RequestValidationError as error:
+            raise invalid(openai_param(error.field, parsed), error.reason) from error
+        if validated.request_id in self.router.in_flight:
+            raise ApiError(409, f"request id {validated.request_id!r} is already running", "X-Request-Id")
+        return parsed, validated
+
+    # -- operations ------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready():
+            return web.json_response({"status": "starting"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        try:
+            self.metrics.set_snapshot(await asyncio.wait_for(self.snapshot(), timeout=5.0))
+        except asyncio.TimeoutError:
+            log.warning("/metrics: the workers' loads did not arrive within 5 s; serving the last snapshot")
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def admin_scale(self, request: web.Request) -> web.Response:
+        self._authorize(request, admin=True)
+        body = parse_body(await request.read())
+        sizes = {}
+        for role in ("prefill", "decode"):
+            value = body.get(role)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise invalid(role, f"must be a non-negative integer, got {value!r}")
+            sizes[role] = value
+        if set(body) - set(sizes):
+            raise invalid(sorted(set(body) - set(sizes))[0], "unrecognized argument (prefill, decode)")
+        try:
+            prefill, decode = await self.scale(sizes["prefill"], sizes["decode"])
+        except ValueError as error:
+            raise ApiError(400, str(error)) from error
+        return web.json_response({"prefill": prefill, "decode": decode})
+
+    def _authorize(self, request: web.Request, admin: bool) -> None:
+        try:
+            self.credentials.check(request.headers.get("Authorization"), admin)
+        except AuthError as error:
+            raise ApiError(error.status, str(error), code=error.code) from error
+
+
+async def _whole(stream, first: StreamItem, shape: ResponseShape, request_id: str) -> web.Response:
+    text, item = [first.text], first
+    try:
+        while item.final is None:
+            item = await anext(stream)
+            text.append(item.text)
+    except Exception as error:
+        raise _api_error(error, request_id) from error
+    return web.json_response(shape.full("".join(text), item.final))
+
+
+async def _event_stream(request: web.Request, stream, first: StreamItem, shape: ResponseShape, request_id: str) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": request_id})
+    await response.prepare(request)
+    item, opening = first, True
+    try:
+        while True:
+            if item.text or item.final is not None or opening:
+                await response.write(sse(shape.chunk(item.text, item.final, first=opening)))
+                opening = False
+            if item.final is not None:
+                if shape.parsed.include_usage:
+                    await response.write(sse(shape.usage_chunk(item.final)))
+                break
+            item = await anext(stream)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client went away: closing the stream aborts the request on its workers
+    except Exception as error:  # headers are sent: the error goes in the stream, as OpenAI does
+        await response.write(sse(_api_error(error, request_id).body()))
+    await response.write(SSE_DONE)
+    await response.write_eof()
+    return response
+
+
+def _api_error(error: Exception, request_id: str) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, (AdmissionTimeoutError, OverloadedError)):
+        return ApiError(429, str(error), code="overloaded")
+    if isinstance(error, NoWorkerError):
+        return ApiError(503, str(error))
+    if isinstance(error, asyncio.TimeoutError):
+        return ApiError(504, f"request {request_id} passed its deadline")
+    if isinstance(error, WorkerError):
+        log.warning("failed on a worker: %s", error)
+        return ApiError(503, f"request {request_id} failed: {error}")
+    log.error("failed: %s: %s", type(error).__name__, error)
+    return ApiError(500, f"request {request_id} failed: {type(error).__name__}: {error}")
+
+
+def _error_response(error: ApiError) -> web.Response:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    if error.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+async def start_http_server(frontend: HttpFrontend, host: str, port: int, ssl_context=None) -> tuple[web.AppRunner, int]:
+    """Starts serving; returns the runner (`await runner.cleanup()` stops it) and the bound port."""
+    frontend.started_s = time.time()
+    runner = web.AppRunner(frontend.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # port 0 picks a free one
+    return runner, bound

@@ -1,0 +1,130 @@
+"""The router's Prometheus metrics (prometheus_client), served at `GET /metrics`.
+
+Histograms and counters are fed by the router as requests stream and finish. Gauges of pools, queues,
+KV-cache use and GPU telemetry come from a snapshot of the workers' loads taken when /metrics is
+scraped (`set_snapshot`), so a scrape always shows current values and costs nothing between scrapes.
+Each system has its own registry: two systems in one process (tests) never share series.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from engine.worker_messages import WorkerLoad
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                     5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(16, 34, 1))  # 64 KiB .. 8 GiB
+OUTCOMES = ("stop", "length", "aborted", "error", "rejected", "invalid", "unauthorized")
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    worker_id: str
+    role: str
+    state: str
+    load: Optional[WorkerLoad]  # None when the worker did not answer
+
+
+@dataclass
+class Snapshot:
+    workers: list[WorkerRow] = field(default_factory=list)
+    requests_running: int = 0
+    requests_waiting_for_kv: int = 0
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        histogram = lambda name, text, buckets=LATENCY_BUCKETS_S: Histogram(name, text, buckets=buckets, registry=self.registry)
+        self.ttft = histogram("pdserve_time_to_first_token_seconds", "Request received to first token sent")
+        self.tpot = histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the first, per request")
+        self.itl = histogram("pdserve_inter_token_latency_seconds", "Gap between consecutive streamed messages of a request")
+        self.e2e = histogram("pdserve_e2e_request_latency_seconds", "Request received to last token sent")
+        self.queue = histogram("pdserve_request_queue_time_seconds", "Request received to prefill started")
+        self.kv_transfer = histogram("pdserve_kv_transfer_seconds", "KV handoff started on the prefill worker to KV ready on the decode worker")
+        self.kv_bytes = histogram("pdserve_kv_transfer_bytes", "KV bytes moved per request", BYTES_BUCKETS)
+        self.requests = Counter("pdserve_requests", "Requests by outcome: finish reason, aborted by the client, "
+                                "error, rejected (overload), invalid, unauthorized", ["outcome"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # every series exists from the start (rate() needs a zero)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=self.registry)
+        self.snapshot = Snapshot()
+        self.registry.register(_PoolCollector(self))
+
+    def observe_finished(self, final) -> None:
+        """A request finished normally: its latencies, transfer and token counts (`final`: router.FinalInfo)."""
+        self.requests.labels(final.finish_reason if final.finish_reason in OUTCOMES else "stop").inc()
+        self.ttft.observe(final.ttft_s)
+        if final.completion_tokens > 1:
+            self.tpot.observe(final.tpot_s)
+        self.e2e.observe(final.e2e_s)
+        self.queue.observe(final.queue_s)
+        if final.kv_bytes:
+            self.kv_transfer.observe(final.kv_transfer_s)
+            self.kv_bytes.observe(final.kv_bytes)
+        self.prompt_tokens.inc(final.prompt_tokens)
+
+    def set_snapshot(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PoolCollector:
+    """Gauges from the last snapshot of the pools (a custom collector: labels come and go with workers)."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self.metrics = metrics
+
+    def describe(self) -> Iterable:
+        return []  # unchecked collector: its series depend on the workers present at scrape time
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        snap = self.metrics.snapshot
+        workers = GaugeMetricFamily("pdserve_workers", "Workers by role and state", labels=["role", "state"])
+        for (role, state), count in sorted(collections.Counter((w.role, w.state) for w in snap.workers).items()):
+            workers.add_metric([role, state], count)
+        yield workers
+        yield GaugeMetricFamily("pdserve_requests_running", "Requests in flight on the router", value=snap.requests_running)
+        yield GaugeMetricFamily("pdserve_requests_waiting_for_kv", "Requests waiting for KV room on a decode worker",
+                                value=snap.requests_waiting_for_kv)
+        per_worker = {name: GaugeMetricFamily(f"pdserve_worker_{name}", text, labels=["worker", "role"]) for name, text in (
+            ("running_requests", "Requests running on the worker"),
+            ("waiting_requests", "Requests queued on the worker"),
+            ("kv_blocks_free", "Free KV-cache blocks"),
+            ("kv_blocks_total", "KV-cache blocks"),
+            ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
+            ("gpu_available", "1 if the worker sees a GPU through NVML, else 0 (see pdserve_worker_gpu_info)"))}
+        gpu_info = GaugeMetricFamily("pdserve_worker_gpu_info", "Per worker: its GPU, or why it has none", labels=["worker", "gpu", "name", "note"])
+        gpu_memory = GaugeMetricFamily("pdserve_gpu_memory_used_bytes", "GPU memory in use", labels=["worker", "gpu"])
+        gpu_memory_total = GaugeMetricFamily("pdserve_gpu_memory_total_bytes", "GPU memory", labels=["worker", "gpu"])
+        gpu_util = GaugeMetricFamily("pdserve_gpu_utilization_ratio", "GPU utilisation (NVML)", labels=["worker", "gpu"])
+        for row in snap.workers:
+            load, labels = row.load, [row.worker_id, row.role]
+            if load is None:
+                continue
+            values = {"running_requests": load.running_requests, "waiting_requests": load.waiting_requests,
+                      "kv_blocks_free": load.kv_blocks_free, "kv_blocks_total": load.kv_blocks_total,
+                      "kv_cache_usage_ratio": 1 - load.kv_blocks_free / load.kv_blocks_total if load.kv_blocks_total else 0.0,
+                      "gpu_available": 1.0 if load.gpus else 0.0}
+            for name, value in values.items():
+                per_worker[name].add_metric(labels, value)
+            if not load.gpus:
+                gpu_info.add_metric([row.worker_id, "", "", load.gpu_note or "no GPU"], 1)
+            for gpu in load.gpus:
+                index = str(gpu.index)
+                gpu_info.add_metric([row.worker_id, index, gpu.name, ""], 1)
+                gpu_memory.add_metric([row.worker_id, index], gpu.memory_used_bytes)
+                gpu_memory_total.add_metric([row.worker_id, index], gpu.memory_total_bytes)
+                gpu_util.add_metric([row.worker_id, index], gpu.utilization)
+        yield from per_worker.values()
+        yield from (gpu_info, gpu_memory, gpu_memory_total, gpu_util)

@@ -1,0 +1,290 @@
+"""The OpenAI wire format: request bodies of `/v1/completions` and `/v1/chat/completions` turned into the
+public `GenerateRequest` (then validated like every gRPC request), and our stream items turned into
+OpenAI response objects and SSE chunks.
+
+Errors are `ApiError`s carrying the HTTP status and OpenAI's error shape (`error.message/type/param`),
+with `param` naming the offending field as the client spelled it. Unknown fields are refused, as
+OpenAI does; known fields we do not implement are accepted only at their neutral value (for example
+`n: 1`, `presence_penalty: 0`), otherwise refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from pdserve_proto import pdserve_pb2 as pb
+from router.router import FinalInfo
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable_error", 504: "timeout_error"}
+
+# Accepted only at these (neutral) values: the engine implements nothing else for them.
+_NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+            "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+            "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+            "parallel_tool_calls": (True, False), "min_tokens": (0,), "functions": ([],), "function_call": ("none",)}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stream", "stream_options", "stop", "seed",
+           "user", "ignore_eos", "stop_token_ids", *_NEUTRAL}
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
+CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "response_format"})
+CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """An OpenAI request as a `GenerateRequest` plus how the client wants the answer."""
+
+    request: "pb.GenerateRequest"
+    chat: bool
+    stream: bool
+    include_usage: bool
+    max_tokens_param: str  # the name the client used, for error messages
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ApiError(400, f"request body is not valid UTF-8 (byte {error.start})") from error
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from error
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def parse_request(body: dict, chat: bool, served_model: str, request_id: str) -> ParsedRequest:
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise invalid(unknown[0], "unrecognized request argument")
+    for name, allowed in _NEUTRAL.items():
+        if name in body and not _is_neutral(body[name], allowed):
+            raise invalid(name, f"only {json.dumps(allowed[0])} is supported, got {json.dumps(body[name])[:40]}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "is required (a string; GET /v1/models lists them)")
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served_model}`", "model", "model_not_found")
+
+    request = pb.GenerateRequest(request_id=request_id)
+    if chat:
+        _chat_prompt(body.get("messages"), request)
+        if "response_format" in body and body["response_format"] not in (None, {"type": "text"}):
+            raise invalid("response_format", "only {'type': 'text'} is supported")
+    else:
+        _completion_prompt(body.get("prompt"), request)
+    max_tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    _sampling(body, request.sampling, max_tokens_param)
+    stream = _typed(body, "stream", bool, False)
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise invalid("stream_options", "must be an object with include_usage (bool)")
+        include_usage = _typed(options, "include_usage", bool, False, "stream_options.include_usage")
+    _typed(body, "user", str, None)
+    return ParsedRequest(request, chat, stream, include_usage, max_tokens_param)
+
+
+_KINDS = {
+    bool: ("a boolean", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _typed(body: dict, name: str, kind: type, default, param: Optional[str] = None):
+    """`body[name]` if it has JSON type `kind`, `default` if absent or null, else an error naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    spelled, matches = _KINDS[kind]
+    if not matches(value):
+        raise invalid(param or name, f"must be {spelled}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _is_neutral(value: Any, allowed: tuple) -> bool:
+    return value is None or any(type(value) is type(v) and value == v for v in allowed)
+
+
+def _completion_prompt(prompt: Any, request: "pb.GenerateRequest") -> None:
+    if prompt is None:
+        raise invalid("prompt", "is required")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 or t >= 2**32 for t in prompt):
+            raise invalid("prompt", "token ids must be non-negative")
+        request.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid("prompt", f"holds {len(prompt)} prompts; send one prompt per request")
+    else:
+        raise invalid("prompt", "must be a string or an array of token ids")
+
+
+def _chat_prompt(messages: Any, request: "pb.GenerateRequest") -> None:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "is required: a non-empty array of {role, content}")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise invalid(where, "must be an object with role and content")
+        extra = set(message) - {"role", "content", "name"}
+        if extra:
+            raise invalid(f"{where}.{sorted(extra)[0]}", "is not supported")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"{where}.role", "is required (a string)")
+        request.chat.messages.add(role=CHAT_ROLE_ALIASES.get(role, role), content=_content_text(message.get("content"), where))
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{index}]", "only parts of {type: 'text', text: string} are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"{where}.content", "must be a string or an array of text parts")
+
+
+def _sampling(body: dict, sampling: "pb.SamplingParams", max_tokens_param: str) -> None:
+    max_tokens = _typed(body, max_tokens_param, int, None)
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise invalid(max_tokens_param, f"must be >= 1, got {max_tokens}")
+        sampling.max_tokens = min(max_tokens, 2**32 - 1)
+    for name in ("temperature", "top_p"):
+        value = _typed(body, name, float, None)
+        if value is not None:
+            if not 0 <= value <= 1e6:
+                raise invalid(name, f"is out of range: {value}")
+            setattr(sampling, name, value)
+    top_k = _typed(body, "top_k", int, None)
+    if top_k is not None and top_k not in (-1, 0):  # vLLM's spelling of "no top-k"
+        if top_k < 0:
+            raise invalid("top_k", f"must be >= 1, or -1/0 for none; got {top_k}")
+        sampling.top_k = min(top_k, 2**32 - 1)
+    seed = _typed(body, "seed", int, None)
+    if seed is not None:
+        if not 0 <= seed < 2**63:
+            raise invalid("seed", f"must be in [0, 2**63), got {seed}")
+        sampling.seed = seed
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop", "must be a string or an array of strings")
+    sampling.stop.extend(stops)
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+                                                       for t in stop_token_ids):
+        raise invalid("stop_token_ids", "must be an array of non-negative token ids")
+    sampling.stop_token_ids.extend(stop_token_ids)
+    sampling.ignore_eos = _typed(body, "ignore_eos", bool, False)
+
+
+def openai_param(field: str, parsed: ParsedRequest) -> str:
+    """A validator field name (`sampling.top_p`, `prompt.chat.messages[0].role`) as the OpenAI client spells it."""
+    if field.startswith("sampling."):
+        name = field.removeprefix("sampling.")
+        return parsed.max_tokens_param if name == "max_tokens" else name
+    if field.startswith("prompt.chat."):
+        return field.removeprefix("prompt.chat.")
+    if field.startswith("prompt"):
+        return "messages" if parsed.chat else "prompt"
+    return field
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+def usage_body(final: FinalInfo) -> dict:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens}}
+
+
+def finish_reason(final: FinalInfo) -> str:
+    return "length" if final.finish_reason == "length" else "stop"
+
+
+@dataclass
+class ResponseShape:
+    """Builds one request's response objects: the non-streaming body and the SSE chunks."""
+
+    parsed: ParsedRequest
+    model: str
+    request_id: str
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if self.parsed.chat else "cmpl-") + self.request_id
+
+    def _envelope(self, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.parsed.chat else "text_completion") + (".chunk" if chunk and self.parsed.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _choice(self, text: Optional[str], reason: Optional[str], chunk: bool, first: bool = False) -> dict:
+        if not self.parsed.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        if chunk:
+            delta: dict = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+
+    def full(self, text: str, final: FinalInfo) -> dict:
+        return {**self._envelope(False), "choices": [self._choice(text, finish_reason(final), False)], "usage": usage_body(final)}
+
+    def chunk(self, text: Optional[str], final: Optional[FinalInfo], first: bool = False) -> dict:
+        body = {**self._envelope(True), "choices": [self._choice(text, finish_reason(final) if final else None, True, first)]}
+        if self.parsed.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, final: FinalInfo) -> dict:
+        return {**self._envelope(True), "choices": [], "usage": usage_body(final)}
+
+
+def sse(body: dict, dumps: Callable[[Any], str] = json.dumps) -> bytes:
+    return f"data: {dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
