@@ -206,7 +206,7 @@ class LLMEngine:
             logits = self.runner.decode(batch.seqs)
             self.scheduler.after_decode(batch)
             sampled_seqs = batch.seqs
-        tokens = sample(logits, [s.params for s in sampled_seqs], [len(s.output_token_ids) for s in sampled_seqs])
+        tokens = sample(logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs])
         return [self._append_token(seq, token, batch) for seq, token in zip(sampled_seqs, tokens)]
 
     def _append_token(self, seq: Sequence, token: int, batch: ScheduledBatch) -> RequestOutput:

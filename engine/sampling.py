@@ -1,9 +1,10 @@
 """Sampling parameters and the sampler.
 
-Seeded sampling is stateless per token: the random draw for output token `n` of a request comes from
-a generator seeded with `(seed, n)`. So a request sampled partly on a prefill worker (its first token)
-and partly on a decode worker gives the same tokens as the single-process engine, and no RNG state
-has to travel with the KV.
+Seeded sampling is stateless per token: the random draw for the token at sequence position `n` (prompt
+plus output so far) comes from a generator seeded with `(seed, n)`. So a request sampled partly on a
+prefill worker (its first token) and partly on a decode worker gives the same tokens as the
+single-process engine, no RNG state travels with the KV, and a request migrated after a worker died
+(re-prefilled as prompt + tokens so far) continues with the same draws.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from engine.sampling_params import SamplingParams
 __all__ = ["SamplingParams", "sample"]
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]) -> list[int]:
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
     """One token per row of fp32 `logits` [batch, vocab]."""
     tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, index) in enumerate(zip(params, output_indices)):
+    for row, (p, index) in enumerate(zip(params, positions)):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, index)
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
+def _sample_row(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     scaled = logits / params.temperature
     if params.top_k is not None and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -40,5 +41,5 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, output_index: int)
         scaled = scaled.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
     probs = scaled.softmax(-1)
     seed = params.seed if params.seed is not None else random.getrandbits(63)
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + output_index) % 2**63)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + position) % 2**63)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -15,9 +15,9 @@ Where vLLM leaves a choice open, ours:
   so with multi-token chunks ITL is a per-chunk latency and TPOT the per-token one;
 - output tokens come from the server's usage when it reports them, else the tokens seen (gRPC) or the
   generated text re-tokenized (HTTP); prompt tokens likewise (HTTP prompts are re-tokenized by the server);
-- a sweep keeps the prompt and output lengths of every rate but draws fresh token content per rate
-  (`seed + rate index`), so no rate finds the previous rate's prompts in the prefix cache;
-  `reuse_prompts` sends the very same prompts instead;
+- a sweep keeps the prompt and output lengths (drawn from `seed`) at every rate but draws fresh token
+  content per rate (from `seed` and the rate's index), so no rate finds an earlier rate's prompts in
+  the prefix cache; `reuse_prompts` sends the very same prompts instead. Arrivals use `seed + index`;
 - figures over no data (no completed request, no request with two tokens) are None, not 0.
 """
 
@@ -81,10 +81,13 @@ class BenchConfig:
             (bool(self.request_rates) and all(r > 0 for r in self.request_rates),
              f"--request-rate must be positive rates or inf, got {self.request_rates}"),
             (self.burstiness > 0, f"--burstiness must be > 0, got {self.burstiness}"),
-            (self.max_concurrency is None or self.max_concurrency >= 1, f"--max-concurrency must be >= 1, got {self.max_concurrency}"),
+            (self.max_concurrency is None or self.max_concurrency >= 1,
+             f"--max-concurrency must be >= 1, got {self.max_concurrency}"),
             (self.timeout_s > 0, f"--timeout-s must be > 0, got {self.timeout_s}"),
-            (set(self.percentile_metrics) <= set(METRICS), f"--percentile-metrics must be among {', '.join(METRICS)}, got {self.percentile_metrics}"),
-            (all(0 < p < 100 for p in self.metric_percentiles), f"--metric-percentiles must be in (0, 100), got {self.metric_percentiles}"),
+            (set(self.percentile_metrics) <= set(METRICS),
+             f"--percentile-metrics must be among {', '.join(METRICS)}, got {self.percentile_metrics}"),
+            (all(0 < p < 100 for p in self.metric_percentiles),
+             f"--metric-percentiles must be in (0, 100), got {self.metric_percentiles}"),
         ]
         for name, slo_ms in self.goodput_slos_ms:
             checks.append((name in GOODPUT_METRICS and slo_ms >= 0,
@@ -111,10 +114,13 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class Prompt:
-    token_ids: tuple[int, ...]
-    text: str
-    prompt_len: int  # what the server will count for `text` (gRPC: len(token_ids))
+    token_ids: tuple[int, ...]  # what the gRPC backend sends; for a text prompt, what the server will count
+    text: str  # empty for the gRPC backend
     output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.token_ids)
 
 
 def _lengths(rng: np.random.Generator, mean_len: int, range_ratio: float, count: int) -> list[int]:
@@ -130,7 +136,7 @@ def random_prompts(tokenizer, config: BenchConfig, content_index: int = 0) -> li
     output_lens = _lengths(length_rng, config.random_output_len, config.random_range_ratio, config.num_prompts)
     rng = np.random.default_rng([config.seed, content_index])
     special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
-    special |= set(tokenizer.special.eos_token_ids) | {tokenizer.special.bos_token_id}
+    special |= {*tokenizer.special.eos_token_ids, tokenizer.special.bos_token_id}  # a None BOS matches no id
     vocab = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
     text_prompts = config.backend != "grpc"
     prompts, seen_prefixes = [], set()
@@ -142,7 +148,7 @@ def random_prompts(tokenizer, config: BenchConfig, content_index: int = 0) -> li
             if tuple(counted[:_PREFIX_TOKENS]) not in seen_prefixes:
                 break
         seen_prefixes.add(tuple(counted[:_PREFIX_TOKENS]))
-        prompts.append(Prompt(tuple(ids), text, len(counted), output_len))
+        prompts.append(Prompt(tuple(counted), text, output_len))
     return prompts
 
 
@@ -153,7 +159,10 @@ def _text_of_length(tokenizer, ids: list[int], target_len: int, rng: np.random.G
         again = tokenizer.encode(text, add_special_tokens=False)
         if len(again) == target_len:
             break
-        ids = again[:target_len] if len(again) > target_len else again + [int(i) for i in rng.choice(vocab, target_len - len(again))]
+        if len(again) > target_len:
+            ids = again[:target_len]
+        else:
+            ids = again + [int(i) for i in rng.choice(vocab, target_len - len(again))]
         text = tokenizer.decode(ids)
     return text
 
@@ -298,7 +307,8 @@ class OpenAIBackend:
         common = {"model": self.model, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                   "ignore_eos": True}
         if self.chat:
-            return {**common, "messages": [{"role": "user", "content": prompt.text}], "max_completion_tokens": prompt.output_len}
+            return {**common, "messages": [{"role": "user", "content": prompt.text}],
+                    "max_completion_tokens": prompt.output_len}
         return {**common, "prompt": prompt.text, "max_tokens": prompt.output_len}
 
     async def send(self, prompt: Prompt, clock: _StreamClock) -> RequestRecord:
@@ -396,7 +406,7 @@ def _percentile_name(p: float) -> str:
 async def run_rate(config: BenchConfig, backend, prompts: Sequence[Prompt], request_rate: float,
                    arrival_seed: int = 0) -> dict:
     """Sends `prompts` at `request_rate` and returns the metrics plus the per-request data."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     arrivals_s = arrival_times_s(len(prompts), request_rate, config.burstiness, arrival_seed)
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
@@ -452,7 +462,7 @@ async def run_bench(config: BenchConfig, tokenizer=None) -> dict:
     finally:
         await backend.close()
     return {"date": datetime.now().isoformat(timespec="seconds"), "backend": config.backend, "model": backend.model,
-            "config": asdict(config), "results": results}
+            "config": {**asdict(config), "api_key": config.api_key and "<redacted>"}, "results": results}
 
 
 def sweep(config: BenchConfig, request_rates: Optional[Sequence[float]] = None, tokenizer=None) -> dict:
@@ -560,8 +570,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="grpc", choices=BACKENDS)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default: 50051 (grpc), 8000 (HTTP backends)")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models; grpc: 'default')")
-    p.add_argument("--tokenizer", default="default", help="tokenizer for the prompts: 'default', a .gguf file or an HF directory")
+    p.add_argument("--model", default=None,
+                   help="model name to send (default: the first of GET /v1/models; grpc: 'default')")
+    p.add_argument("--tokenizer", default="default",
+                   help="tokenizer for the prompts: 'default', a .gguf file or an HF directory")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (HTTP header or gRPC metadata)")
     p.add_argument("--dataset-name", default="random", choices=["random"])
     p.add_argument("--num-prompts", type=int, default=100)
@@ -581,8 +593,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--goodput", type=_goodput, nargs="+", default=[], metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000")
     p.add_argument("--save-result", action="store_true", help="write the JSON report (see --result-file)")
-    p.add_argument("--result-file", default=None, help="JSON report path (default with --save-result: pdserve-bench-<backend>-<time>.json)")
-    p.add_argument("--plot", default=None, metavar="PATH.png", help="plot latency percentiles and throughput against request rate")
+    p.add_argument("--result-file", default=None,
+                   help="JSON report path (default with --save-result: pdserve-bench-<backend>-<time>.json)")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="plot latency percentiles and throughput against request rate")
     p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(handler=run_cli)
     return p
@@ -597,7 +611,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         api_key=args.api_key, num_prompts=args.num_prompts, random_input_len=args.random_input_len,
         random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio, seed=args.seed,
         request_rates=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        timeout_s=args.timeout_s, percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
+        timeout_s=args.timeout_s,
+        percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
         metric_percentiles=args.metric_percentiles, goodput_slos_ms=tuple(args.goodput), reuse_prompts=args.reuse_prompts,
         disable_tqdm=args.disable_tqdm, result_file=result_file, plot_file=args.plot)
 

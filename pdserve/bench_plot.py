@@ -1,12 +1,24 @@
 """The `pdserve bench --plot` figure: latency percentiles and throughput against request rate.
 
 Rates sit at evenly spaced positions labelled with their value (sweeps are usually geometric, and
-`inf` has no place on a numeric axis); one rate gives one point per series, still labelled.
+`inf` has no place on a numeric axis). With a single rate every point carries its value, so the
+figure still reads as a small table.
 """
 
 from __future__ import annotations
 
 import math
+
+# (title, y unit, [(result key, label), ...]): the first series solid with circles, the second dashed with squares.
+_PANELS = [
+    *[(title, "milliseconds", [(f"p50_{metric}_ms", "p50"), (f"p99_{metric}_ms", "p99")])
+      for metric, title in (("ttft", "Time to first token (TTFT)"), ("tpot", "Time per output token (TPOT)"),
+                            ("itl", "Inter-token latency (ITL)"), ("e2el", "End-to-end latency (E2EL)"))],
+    ("Request throughput", "requests / s",
+     [("request_throughput", "completed"), ("request_goodput", "goodput (met every SLO)")]),
+    ("Token throughput", "tokens / s",
+     [("output_throughput", "output tokens"), ("total_token_throughput", "input + output tokens")]),
+]
 
 
 def _rate_label(rate: float) -> str:
@@ -21,40 +33,29 @@ def plot_report(report: dict, path: str) -> None:
 
     results = report["results"]
     positions = list(range(len(results)))
-    labels = [_rate_label(r["request_rate"]) for r in results]
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8.5))
-    latency_panels = [("ttft", "Time to first token"), ("tpot", "Time per output token"), ("itl", "Inter-token latency")]
-    for ax, (metric, title) in zip(axes.flat, latency_panels):
-        for p, style in (("50", "o-"), ("99", "s--")):
-            values = [r[f"p{p}_{metric}_ms"] for r in results]
-            ax.plot(positions, [math.nan if v is None else v for v in values], style, label=f"p{p}")
-        ax.set_title(f"{title} ({metric.upper()})")
-        ax.set_ylabel("milliseconds")
-        ax.set_ylim(bottom=0)
-    throughput = axes.flat[3]
-    throughput.plot(positions, [r["request_throughput"] for r in results], "o-", label="request throughput")
-    if any(r["request_goodput"] is not None for r in results):
-        throughput.plot(positions, [math.nan if r["request_goodput"] is None else r["request_goodput"] for r in results],
-                        "s--", label="goodput (met every SLO)")
-    throughput.set_ylabel("requests / s")
-    throughput.set_ylim(bottom=0)
-    tokens = throughput.twinx()
-    tokens.plot(positions, [r["output_throughput"] for r in results], "^:", color="tab:green", label="output tokens / s")
-    tokens.set_ylabel("output tokens / s")
-    tokens.set_ylim(bottom=0)
-    throughput.set_title("Throughput and goodput")
-    handles = throughput.get_legend_handles_labels()[0] + tokens.get_legend_handles_labels()[0]
-    throughput.legend(handles, [h.get_label() for h in handles], loc="lower right", fontsize="small")
-    for ax in axes.flat:
-        ax.set_xticks(positions, labels)
+    figure, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    for ax, (title, unit, series) in zip(axes.flat, _PANELS):
+        shown = []
+        for (key, label), style, label_dy in zip(series, ("o-", "s--"), (-11, 3)):
+            ys = [math.nan if r[key] is None else r[key] for r in results]
+            if all(math.isnan(y) for y in ys):
+                continue  # e.g. goodput without SLOs
+            ax.plot(positions, ys, style, label=label, markersize=7)
+            shown += [y for y in ys if not math.isnan(y)]
+            if len(results) == 1:  # the lower series' value below its point, the upper one's above
+                ax.annotate(f"{ys[0]:,.0f}" if ys[0] >= 100 else f"{ys[0]:.3g}", (0, ys[0]), textcoords="offset points",
+                            xytext=(10, label_dy), fontsize="small")
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.set_ylim(0, 1.15 * max(shown) if shown and max(shown) > 0 else 1)  # from zero, room above the top point
+        ax.set_xticks(positions, [_rate_label(r["request_rate"]) for r in results])
         ax.set_xlim(-0.5, len(results) - 0.5)
         ax.set_xlabel("request rate (requests / s)")
         ax.grid(alpha=0.3)
-        if ax is not throughput:
-            ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="best")
     config = report["config"]
-    figure.suptitle(f"pdserve bench: {report['backend']} backend, model {report['model']}, {config['num_prompts']} prompts, "
-                    f"input {config['random_input_len']} / output {config['random_output_len']} tokens"
+    figure.suptitle(f"pdserve bench: {report['backend']} backend, model {report['model']}, {config['num_prompts']} prompts "
+                    f"per rate, input {config['random_input_len']} / output {config['random_output_len']} tokens"
                     + (f", max concurrency {config['max_concurrency']}" if config["max_concurrency"] else ""))
     figure.tight_layout()
     figure.savefig(path, dpi=110)

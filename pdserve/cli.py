@@ -250,7 +250,9 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate, _add_serve, _add_chat, _add_status, _add_scale, _add_demo):
+    from pdserve.bench import add_parser as _add_bench
+
+    for add in (_add_generate, _add_serve, _add_chat, _add_status, _add_scale, _add_demo, _add_bench):
         add(sub)
     return parser
 

@@ -28,6 +28,12 @@ class PoolManager:
         self._next_index = {"prefill": 0, "decode": 0, "colocated": 0}
         self._draining: set[asyncio.Task] = set()
         self.stopped: list = []  # WorkerLoad of each drained worker, taken just before it stopped
+        self.replaced: list[str] = []  # ids of dead workers replaced, oldest first
+        self._missing: dict[str, int] = {}  # dead workers not yet replaced, per role
+        self._healer: Optional[asyncio.Task] = None
+
+    def start_healing(self) -> None:
+        self._healer = asyncio.get_running_loop().create_task(self.heal())
 
     @property
     def decode_role(self) -> str:
@@ -109,12 +115,42 @@ class PoolManager:
             log.warning("%s died while draining: %s", worker.worker_id, error)
         worker.state = "stopping"
         ray.kill(worker.actor)
-        self._pool(role).workers.remove(worker)
+        if worker in self._pool(role).workers:  # unless the healer already removed it as dead
+            self._pool(role).workers.remove(worker)
         log.info("%s pool: %s drained and stopped", role, worker.worker_id)
+
+    async def heal(self, interval_s: float = 2.0) -> None:
+        """Forever: finds workers that died (the router marks those it sees die; a cheap `load` call
+        finds idle ones) and replaces each with a fresh worker of its role."""
+        from router.router import is_actor_death
+
+        while True:
+            await asyncio.sleep(interval_s)
+            for role in ("prefill", self.decode_role):
+                pool = self._pool(role)
+                ready = pool.ready()
+                answers = await asyncio.gather(*(asyncio.wait_for(w.actor.load.remote(), 10) for w in ready),
+                                               return_exceptions=True)
+                for worker, answer in zip(ready, answers):
+                    if isinstance(answer, BaseException) and is_actor_death(answer):
+                        worker.state = "dead"
+                for worker in [w for w in pool.workers if w.state == "dead"]:
+                    pool.workers.remove(worker)
+                    self.replaced.append(worker.worker_id)
+                    self._missing[role] = self._missing.get(role, 0) + 1
+                    log.warning("%s pool: %s died; starting a replacement", role, worker.worker_id)
+                if self._missing.get(role):
+                    try:
+                        await self.add_workers(role, self._missing[role])
+                        self._missing[role] = 0
+                    except Exception:  # e.g. no room on the cluster now: the next round retries
+                        log.exception("%s pool: could not start replacements", role)
 
     def stop_all(self) -> None:
         import ray
 
+        if self._healer is not None:
+            self._healer.cancel()
         for task in list(self._draining):
             task.cancel()
         for pool in (self.router.prefill_pool, self.router.decode_pool):

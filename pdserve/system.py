@@ -200,6 +200,7 @@ async def start_system(config: ServeConfig) -> System:
     system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port, config.tls)
     if config.http_port is not None:
         system.http_runner, system.http_port = await start_http(system, limits)
+    pools.start_healing()
     if config.autoscale is not None:
         system.autoscaler = AutoscaleLoop(pools, config.autoscale)
         system.autoscaler.start()

@@ -56,6 +56,8 @@ class RouterMetrics:
             self.requests.labels(outcome)  # every series exists from the start (rate() needs a zero)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=self.registry)
+        self.migrations = Counter("pdserve_migrations", "Requests re-run on healthy workers after a worker died under them",
+                                  registry=self.registry)
         self.snapshot = Snapshot()
         self.registry.register(_PoolCollector(self))
 

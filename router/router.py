@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from engine.tokenizer import Tokenizer
 from engine.worker_messages import PrefillResult, TokenChunk
 from router.metrics import RouterMetrics
 from router.overload import AdmissionLimits, OverloadedError
-from router.pool import WorkerHandle, WorkerPool
+from router.pool import NoWorkerError, WorkerHandle, WorkerPool
 from router.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,21 @@ class AdmissionTimeoutError(RuntimeError):
     """No worker had room for the request in time; the client gets RESOURCE_EXHAUSTED."""
 
 
+class WorkerLost(Exception):
+    """A worker holding the request died. The request is migrated: re-run as prompt + tokens so far."""
+
+    def __init__(self, worker: WorkerHandle, reason: str):
+        super().__init__(f"worker {worker.worker_id} died: {reason}")
+        self.worker = worker
+
+
+def is_actor_death(error: BaseException) -> bool:
+    """True when a Ray call failed because the actor is gone (not because the call raised)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(error, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
 def ray_task_error() -> type:
     from ray.exceptions import RayTaskError  # Ray is imported by whoever built the pools
 
@@ -45,6 +61,7 @@ def ray_task_error() -> type:
 class RouterConfig:
     mode: str  # "disaggregated" or "colocated"
     kv_reservation_timeout_s: float = 30.0
+    max_migrations: int = 3  # re-runs of one request after workers died under it, before it fails
     admission_timeout_s: float = 120.0  # how long a request may wait for KV room before RESOURCE_EXHAUSTED
     limits: AdmissionLimits = AdmissionLimits()
 
@@ -77,8 +94,9 @@ class FinalInfo:
 
 @dataclass
 class _Route:
-    """Which workers hold a request, and which of them are done with it."""
+    """Which workers hold a request (one attempt of it), and which of them are done with it."""
 
+    worker_request_id: str  # the id the workers know this attempt by (the request id, then id~1, id~2...)
     prefill: Optional[WorkerHandle]
     decode: WorkerHandle
     prefill_released: bool = False  # first token back and the KV acknowledged (or nothing to hand off)
@@ -91,6 +109,7 @@ class _Progress:
     prompt_tokens: int
     detok: IncrementalDetokenizer
     stop_token_ids: frozenset
+    token_ids: list[int] = field(default_factory=list)  # streamed so far (a migration re-prefills them)
     first_token_s: Optional[float] = None
     last_item_s: Optional[float] = None
     completion_tokens: int = 0
@@ -117,7 +136,8 @@ class Router:
     requests_completed: int = 0
     requests_failed: int = 0
     in_flight: dict[str, _Route] = field(default_factory=dict)
-    _streams: dict[str, asyncio.Queue] = field(default_factory=dict)  # request id -> its chunks
+    _streams: dict[str, asyncio.Queue] = field(default_factory=dict)  # worker request id -> its chunks
+    migrations: int = 0
     # (monotonic time, TTFT s, queue s) of recent first tokens, and requests waiting for KV room:
     # the autoscaler's signals.
     recent_first_tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
@@ -152,9 +172,10 @@ class Router:
         if worker.state != "stopping":
             log.warning("decode worker %s is gone (%s); failing its requests", worker.worker_id, error)
         worker.state = "dead"
-        for request_id, route in list(self.in_flight.items()):
-            if route.decode is worker and request_id in self._streams:
-                self._streams[request_id].put_nowait(TokenChunk(request_id, (), error=f"worker {worker.worker_id} failed: {error}"))
+        for route in list(self.in_flight.values()):
+            stream = self._streams.get(route.worker_request_id)
+            if route.decode is worker and stream is not None:
+                stream.put_nowait(WorkerLost(worker, error))
 
     async def generate(self, request: ValidatedRequest) -> AsyncIterator[StreamItem]:
         """Streams a request's output; the last item carries `final`. Raises OverloadedError at once
@@ -166,13 +187,12 @@ class Router:
             frozenset() if request.params.ignore_eos else frozenset(self.tokenizer.special.eos_token_ids))
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.stop)
         progress = _Progress(time.monotonic(), len(request.prompt_ids), detok, stop_ids)
-        flow = self._disaggregated if self.config.mode == "disaggregated" else self._colocated
         log.info("received: %d prompt tokens, max_tokens %d", len(request.prompt_ids), request.params.max_tokens)
         final: Optional[FinalInfo] = None
         outcome = "aborted"  # unless it finishes or fails: the client went away
         self.active += 1
         try:
-            async for item in flow(request, progress):
+            async for item in self._migrating(request, progress):
                 final = item.final
                 if final is not None:
                     self._finished(final)  # before the client sees the end, so /metrics already counts it
@@ -187,10 +207,7 @@ class Router:
             raise
         finally:
             self.active -= 1
-            self._streams.pop(request.request_id, None)
-            route = self.in_flight.pop(request.request_id, None)
-            if route is not None:
-                self._release(request.request_id, route)
+            self._settle(request.request_id)
             if final is None:
                 self.requests_failed += 1
                 self.metrics.requests.labels(outcome).inc()
@@ -204,39 +221,76 @@ class Router:
                  final.cached_prompt_tokens, final.completion_tokens, final.ttft_s * 1e3, final.tpot_s * 1e3,
                  final.kv_bytes, final.kv_transfer_s * 1e3, final.prefill_worker or "-", final.decode_worker)
 
-    def _release(self, request_id: str, route: _Route) -> None:
-        """Settles a request's workers: counters down, and an abort wherever it may still hold blocks."""
+    def _settle(self, request_id: str) -> None:
+        """Forgets a request's current attempt: counters down, and an abort wherever it may still hold blocks."""
+        route = self.in_flight.pop(request_id, None)
+        if route is None:
+            return
+        self._streams.pop(route.worker_request_id, None)
+        wid = route.worker_request_id
         if route.prefill is not None:
-            if not route.prefill_released:
-                self._fire(route.prefill.actor.abort.remote(request_id))
+            if not route.prefill_released and route.prefill.state != "dead":
+                self._fire(route.prefill.actor.abort.remote(wid))
         route.decode.in_flight -= 1
-        if not route.decode_finished:
-            self._fire(route.decode.actor.abort.remote(request_id))
+        if not route.decode_finished and route.decode.state != "dead":
+            self._fire(route.decode.actor.abort.remote(wid))
 
     async def abort(self, request_id: str) -> bool:
         route = self.in_flight.get(request_id)
         if route is None:
             return False
         workers = [w for w in (route.prefill, route.decode) if w is not None]
-        results = await asyncio.gather(*(w.actor.abort.remote(request_id) for w in workers), return_exceptions=True)
+        results = await asyncio.gather(*(w.actor.abort.remote(route.worker_request_id) for w in workers),
+                                       return_exceptions=True)
         return any(r is True for r in results)
 
-    # -- the two flows -------------------------------------------------------------------------
+    # -- the two flows, and migration ------------------------------------------------------------
 
-    async def _disaggregated(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
-        rid = request.request_id
-        decode = await self._reserve_decode(request)
-        prefill = self.prefill_pool.pick()
-        route = self._track(rid, prefill, decode)
+    async def _migrating(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
+        """Runs the mode's flow; when a worker dies under the request, re-runs prompt + tokens so far on
+        healthy workers (the client sees only latency; greedy and seeded output stay the same)."""
+        flow = self._disaggregated if self.config.mode == "disaggregated" else self._colocated
+        attempt = 0
+        while True:
+            wid = request.request_id if attempt == 0 else f"{request.request_id}~{attempt}"
+            prompt_ids = request.prompt_ids + progress.token_ids
+            params = dataclasses.replace(request.params, max_tokens=request.params.max_tokens - len(progress.token_ids))
+            try:
+                async for item in flow(request.request_id, wid, prompt_ids, params, progress):
+                    yield item
+                return
+            except WorkerLost as lost:
+                lost.worker.state = "dead"
+                self._settle(request.request_id)
+                attempt += 1
+                if attempt > self.config.max_migrations:
+                    raise WorkerError(f"{lost}; gave up after {attempt} attempts") from lost
+                self.migrations += 1
+                self.metrics.migrations.inc()
+                log.warning("%s; migrating with %d tokens so far (attempt %d)", lost, len(progress.token_ids), attempt + 1)
+
+    async def _disaggregated(self, rid: str, wid: str, prompt_ids: list[int], params, progress: _Progress) -> AsyncIterator[StreamItem]:
+        self.prefill_pool.pick()  # no prefill worker: fail at once (UNAVAILABLE), before reserving anything
+        decode = await self._reserve_decode(wid, len(prompt_ids))
         try:
-            result: PrefillResult = await prefill.actor.prefill.remote(
-                rid, request.prompt_ids, request.params, decode.info.kv_address)
+            prefill = self.prefill_pool.pick()
+        except NoWorkerError:
+            self._fire(decode.actor.abort.remote(wid))  # frees the reservation now rather than at its timeout
+            raise
+        route = self._track(rid, wid, prefill, decode)
+        try:
+            result: PrefillResult = await prefill.actor.prefill.remote(wid, prompt_ids, params, decode.info.kv_address)
+        except Exception as error:
+            if is_actor_death(error):
+                raise WorkerLost(prefill, f"{type(error).__name__} during prefill") from error
+            raise
         finally:
             prefill.in_flight -= 1
         progress.prefill = result
         progress.cached_prompt_tokens = result.num_cached_prompt_tokens
-        now = time.monotonic()
-        self.recent_first_tokens.append((now, now - progress.start_s, result.queue_s))
+        if progress.first_token_s is None:
+            now = time.monotonic()
+            self.recent_first_tokens.append((now, now - progress.start_s, result.queue_s))
         if result.finish_reason is not None:  # finished at its first token: nothing to hand off or decode
             route.prefill_released = True
             yield self._item(progress, (result.first_token_id,), result.finish_reason, decode)
@@ -244,15 +298,15 @@ class Router:
         yield self._item(progress, (result.first_token_id,), None, decode)
         if result.deliveries:
             self._fire(decode.actor.deliver.remote(result.deliveries))
-        await decode.actor.admit.remote(rid, request.prompt_ids, result.first_token_id, request.params)
-        async for chunk in self._chunks(rid, route):
+        await self._call(decode, decode.actor.admit.remote(wid, prompt_ids, result.first_token_id, params))
+        async for chunk in self._chunks(route):
             if chunk.kv_ready_wall_s is not None:
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
                 route.prefill_released = True
-                self._fire(prefill.actor.acknowledge.remote(rid))
+                self._fire(prefill.actor.acknowledge.remote(wid))
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode)
 
-    async def _reserve_decode(self, request: ValidatedRequest) -> WorkerHandle:
+    async def _reserve_decode(self, wid: str, num_prompt_tokens: int) -> WorkerHandle:
         """Reserves KV blocks for the prompt on a decode worker, trying each and then waiting while
         all are full, so a transfer never lands where there is no room and a busy pool queues."""
         deadline = time.monotonic() + self.config.admission_timeout_s
@@ -260,20 +314,23 @@ class Router:
         waiting = False  # counted in `waiting_for_kv` (an autoscaler signal) once a full round failed
         try:
             while True:
+                if not self.decode_pool.ready():
+                    raise NoWorkerError(f"no healthy {self.decode_pool.role} worker")
                 tried: tuple[str, ...] = ()
                 for _ in self.decode_pool.ready():
                     decode = self.decode_pool.pick(exclude=tried)
                     try:
-                        await decode.actor.reserve.remote(request.request_id, len(request.prompt_ids),
-                                                          self.config.kv_reservation_timeout_s)
+                        await decode.actor.reserve.remote(wid, num_prompt_tokens, self.config.kv_reservation_timeout_s)
                         return decode
-                    except ray_task_error() as error:
-                        if not isinstance(error.cause, OutOfBlocksError):
+                    except Exception as error:
+                        if is_actor_death(error):
+                            decode.state = "dead"  # skipped from now on; the pool manager replaces it
+                        elif not (isinstance(error, ray_task_error()) and isinstance(error.cause, OutOfBlocksError)):
                             raise
                         tried += (decode.worker_id,)
                 if time.monotonic() + delay_s > deadline:
                     raise AdmissionTimeoutError(
-                        f"no decode worker had KV room for {len(request.prompt_ids)} prompt tokens within "
+                        f"no decode worker had KV room for {num_prompt_tokens} prompt tokens within "
                         f"{self.config.admission_timeout_s:.0f} s")
                 if not waiting:
                     if self.waiting_for_kv >= self.config.limits.max_waiting_for_kv:
@@ -287,27 +344,47 @@ class Router:
             if waiting:
                 self.waiting_for_kv -= 1
 
-    async def _colocated(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
+    async def _colocated(self, rid: str, wid: str, prompt_ids: list[int], params, progress: _Progress) -> AsyncIterator[StreamItem]:
         worker = self.decode_pool.pick()
-        route = self._track(request.request_id, None, worker)
-        await worker.actor.admit_colocated.remote(request.request_id, request.prompt_ids, request.params)
-        async for chunk in self._chunks(request.request_id, route):
+        route = self._track(rid, wid, None, worker)
+        await self._call(worker, worker.actor.admit_colocated.remote(wid, prompt_ids, params))
+        async for chunk in self._chunks(route):
             progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    async def _chunks(self, request_id: str, route: _Route) -> AsyncIterator[TokenChunk]:
-        stream = self._streams[request_id]
+    async def _call(self, worker: WorkerHandle, call):
+        """Awaits a worker call; the worker's death becomes WorkerLost (the request migrates)."""
+        try:
+            return await call
+        except Exception as error:
+            if is_actor_death(error):
+                raise WorkerLost(worker, type(error).__name__) from error
+            raise
+
+    async def _chunks(self, route: _Route) -> AsyncIterator[TokenChunk]:
+        stream = self._streams[route.worker_request_id]
         while True:
-            chunk: TokenChunk = await stream.get()
+            chunk = await stream.get()
+            if isinstance(chunk, WorkerLost):
+                raise chunk
             if chunk.error is not None:  # the abort sent on the way out clears anything left behind
+                if not route.prefill_released and route.prefill is not None and not await self._alive(route.prefill):
+                    raise WorkerLost(route.prefill, f"its KV handoff failed ({chunk.error})")
                 raise WorkerError(chunk.error)
             if chunk.finish_reason is not None:
                 route.decode_finished = True
             yield chunk
             if chunk.finish_reason is not None:
                 return
+
+    async def _alive(self, worker: WorkerHandle, timeout_s: float = 5.0) -> bool:
+        try:
+            await asyncio.wait_for(worker.actor.load.remote(), timeout_s)
+            return True
+        except Exception as error:
+            return not is_actor_death(error)
 
     def _item(self, progress: _Progress, token_ids, finish_reason: Optional[str], decode: WorkerHandle) -> StreamItem:
         now = time.monotonic()
@@ -319,6 +396,7 @@ class Router:
             progress.last_item_s = now
             self.metrics.generation_tokens.inc(len(token_ids))
         progress.completion_tokens += len(token_ids)
+        progress.token_ids.extend(token_ids)
         item = StreamItem(list(token_ids), progress.text_for(token_ids, finish_reason))
         if progress.detok.stop_string is not None and finish_reason is None:
             finish_reason = "stop"  # the router saw the stop string first; the worker is aborted in `generate`
@@ -345,12 +423,12 @@ class Router:
             decode_worker=decode.worker_id,
         )
 
-    def _track(self, request_id: str, prefill: Optional[WorkerHandle], decode: WorkerHandle) -> _Route:
+    def _track(self, request_id: str, wid: str, prefill: Optional[WorkerHandle], decode: WorkerHandle) -> _Route:
         for worker in (prefill, decode):
             if worker is not None:
                 worker.in_flight += 1
-        route = self.in_flight[request_id] = _Route(prefill, decode, prefill_released=prefill is None)
-        self._streams[request_id] = asyncio.Queue()  # before any call that could make the worker emit
+        route = self.in_flight[request_id] = _Route(wid, prefill, decode, prefill_released=prefill is None)
+        self._streams[wid] = asyncio.Queue()  # before any call that could make the worker emit
         return route
 
     def _fire(self, awaitable) -> None:
