@@ -23,6 +23,15 @@ def _nvml() -> tuple[Any, str]:
         return None, f"no GPU ({type(error).__name__}: {error})"
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where that is unavailable)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _visible_indices(count: int) -> list[int]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:

@@ -67,5 +67,6 @@ class WorkerLoad:
     max_batch_size_seen: int
     decode_steps: int = 0  # steps that decoded only (no prefill) since start, and their total time
     decode_steps_s: float = 0.0
+    rss_bytes: int = 0  # the worker process's resident memory
     gpus: tuple[GpuStats, ...] = ()
     gpu_note: str = ""  # why `gpus` is empty ("no GPU (...)")

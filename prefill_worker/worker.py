@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.telemetry import gpu_stats
+from engine.telemetry import gpu_stats, rss_bytes
 from engine.worker_messages import PrefillResult, WorkerInfo, WorkerLoad
 from engine.worker_runtime import node_name, start_engine
 from kvtransfer.registry import create_sender
@@ -72,7 +72,7 @@ class PrefillWorker:
 
     async def load(self) -> WorkerLoad:
         gpus, gpu_note = gpu_stats()  # here, not on the engine thread: NVML calls take a while
-        return dataclasses.replace(await self.loop.call(self._load), gpus=gpus, gpu_note=gpu_note)
+        return dataclasses.replace(await self.loop.call(self._load), gpus=gpus, gpu_note=gpu_note, rss_bytes=rss_bytes())
 
     # -- loop thread ---------------------------------------------------------------------------
 
