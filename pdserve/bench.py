@@ -36,14 +36,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from pdserve.bench_backends import GrpcBackend, OpenAIBackend, StreamClock
+from pdserve.bench_metrics import RequestRecord, compute_metrics, format_result, format_sweep
+
 BACKENDS = ("grpc", "openai", "openai-chat")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_PORTS = {"grpc": 50051, "openai": 8000, "openai-chat": 8000}
-_METRIC_TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
-                  "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
 _PREFIX_TOKENS = 16  # prompts must differ within their first KV block, or the prefix cache would share it
-_MAX_ERRORS_SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -177,230 +177,6 @@ def arrival_times_s(num_requests: int, request_rate: float, burstiness: float = 
     return [0.0, *np.cumsum(gaps_s).tolist()][:num_requests]
 
 
-# -- one request -----------------------------------------------------------------------------
-
-@dataclass
-class RequestRecord:
-    success: bool
-    prompt_len: int
-    output_len: int
-    ttft_s: Optional[float]
-    itls_s: list[float]
-    e2el_s: float  # for a failed request: the time until it failed
-    start_s: float  # from the start of the run
-    error: str = ""
-
-    @property
-    def tpot_s(self) -> Optional[float]:
-        if self.ttft_s is None or self.output_len < 2:
-            return None
-        return (self.e2el_s - self.ttft_s) / (self.output_len - 1)
-
-
-class _StreamClock:
-    """Times one streamed request: TTFT at the first chunk, a gap per later chunk."""
-
-    def __init__(self, run_start_s: float, prompt: Prompt):
-        self.prompt = prompt
-        self.run_start_s = run_start_s
-        self.start_s = time.perf_counter()
-        self.ttft_s: Optional[float] = None
-        self.itls_s: list[float] = []
-        self.tokens_seen = 0
-        self._last_s = self.start_s
-
-    def chunk(self, num_tokens: int = 0) -> None:
-        now = time.perf_counter()
-        if self.ttft_s is None:
-            self.ttft_s = now - self.start_s
-        else:
-            self.itls_s.append(now - self._last_s)
-        self._last_s = now
-        self.tokens_seen += num_tokens
-
-    def record(self, output_len: int, prompt_len: Optional[int] = None, error: str = "") -> RequestRecord:
-        if not error and self.ttft_s is None:
-            error = "the stream ended without output"
-        return RequestRecord(success=not error, prompt_len=prompt_len or self.prompt.prompt_len, output_len=output_len,
-                             ttft_s=self.ttft_s, itls_s=self.itls_s, e2el_s=time.perf_counter() - self.start_s,
-                             start_s=self.start_s - self.run_start_s, error=error)
-
-
-class GrpcBackend:
-    """`pdserve.v1.Generation/Generate`, the prompt sent as token ids."""
-
-    def __init__(self, config: BenchConfig):
-        import grpc
-
-        from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-
-        self.config = config
-        self.model = config.model or "default"
-        self.channel = grpc.aio.insecure_channel(f"{config.host}:{config.resolved_port}")
-        self.stub = pb_grpc.GenerationStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {config.api_key}"),) if config.api_key else ()
-
-    async def open(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def send(self, prompt: Prompt, clock: _StreamClock) -> RequestRecord:
-        import grpc
-
-        from pdserve_proto import pdserve_pb2 as pb
-
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt.token_ids), sampling=pb.SamplingParams(
-            max_tokens=prompt.output_len, temperature=0, ignore_eos=True))
-        final = None
-        try:
-            async for response in self.stub.Generate(request, metadata=self.metadata):
-                if response.token_ids:
-                    clock.chunk(len(response.token_ids))
-                if response.finish_reason:
-                    final = response
-        except grpc.aio.AioRpcError as error:
-            return clock.record(clock.tokens_seen, error=f"{error.code().name}: {error.details()}")
-        if final is None or final.finish_reason == "abort":
-            reason = "the stream ended without a finish reason" if final is None else "the server aborted the request"
-            return clock.record(clock.tokens_seen, error=reason)
-        return clock.record(final.usage.completion_tokens or clock.tokens_seen, final.usage.prompt_tokens)
-
-
-class OpenAIBackend:
-    """`/v1/completions` or `/v1/chat/completions`, streamed as server-sent events."""
-
-    def __init__(self, config: BenchConfig, tokenizer):
-        self.config = config
-        self.chat = config.backend == "openai-chat"
-        self.tokenizer = tokenizer
-        self.url = config.base_url + ("/v1/chat/completions" if self.chat else "/v1/completions")
-        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self.model = config.model or ""
-        self.session = None
-
-    async def open(self) -> None:
-        import aiohttp
-
-        # No connection limit: concurrency is the benchmark's to set (request rate, --max-concurrency).
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False,
-                                             timeout=aiohttp.ClientTimeout(total=None))
-        if not self.model:
-            url = self.config.base_url + "/v1/models"
-            try:
-                async with self.session.get(url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=30)) as response:
-                    if response.status != 200:
-                        raise ConnectionError(f"GET {url}: HTTP {response.status}: {(await response.text())[:300]}")
-                    models = (await response.json()).get("data") or []
-            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-                raise ConnectionError(f"GET {url}: {type(error).__name__}: {error}") from error
-            if not models:
-                raise ConnectionError(f"GET {self.config.base_url}/v1/models lists no model; pass --model")
-            self.model = models[0]["id"]
-
-    async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-
-    def body(self, prompt: Prompt) -> dict:
-        common = {"model": self.model, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                  "ignore_eos": True}
-        if self.chat:
-            return {**common, "messages": [{"role": "user", "content": prompt.text}],
-                    "max_completion_tokens": prompt.output_len}
-        return {**common, "prompt": prompt.text, "max_tokens": prompt.output_len}
-
-    async def send(self, prompt: Prompt, clock: _StreamClock) -> RequestRecord:
-        import aiohttp
-
-        texts, usage, done = [], None, False
-        try:
-            async with self.session.post(self.url, json=self.body(prompt), headers=self.headers) as response:
-                if response.status != 200:
-                    return clock.record(0, error=f"HTTP {response.status}: {(await response.text())[:300]}")
-                async for raw_line in response.content:
-                    line = raw_line.decode("utf-8").strip()
-                    if not line.startswith("data:"):
-                        continue  # blank separators, SSE comments, event names
-                    payload = line.removeprefix("data:").strip()
-                    if payload == "[DONE]":
-                        done = True
-                        break
-                    data = json.loads(payload)
-                    if data.get("error"):
-                        return clock.record(0, error=f"error event: {json.dumps(data['error'])[:300]}")
-                    for choice in data.get("choices") or []:
-                        text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
-                        if text:
-                            clock.chunk()
-                            texts.append(text)
-                    usage = data.get("usage") or usage
-        except (aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as error:
-            return clock.record(0, error=f"{type(error).__name__}: {error}")
-        if not done:
-            return clock.record(0, error="the stream ended without data: [DONE]")
-        usage = usage or {}
-        output_len = usage.get("completion_tokens") or len(self.tokenizer.encode("".join(texts), add_special_tokens=False))
-        return clock.record(output_len, usage.get("prompt_tokens"))
-
-
-# -- metrics ---------------------------------------------------------------------------------
-
-def compute_metrics(records: Sequence[RequestRecord], duration_s: float, percentiles: Sequence[float] = (50.0, 99.0),
-                    goodput_slos_ms: Optional[dict[str, float]] = None) -> dict:
-    """vLLM's serving figures from per-request records. Failed requests count only in `failed` (and
-    in the peak concurrency). TPOT is (e2el - ttft) / (output_len - 1) over requests with two or more
-    output tokens; ITL pools every gap of every completed request. Goodput counts the completed
-    requests meeting every given SLO (a request of one output token meets any TPOT SLO, as in vLLM)."""
-    if duration_s <= 0:
-        raise ValueError(f"duration_s must be > 0, got {duration_s}")
-    done = [r for r in records if r.success]
-    samples_s = {"ttft": [r.ttft_s for r in done], "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
-                 "itl": [gap for r in done for gap in r.itls_s], "e2el": [r.e2el_s for r in done]}
-    total_input, total_output = sum(r.prompt_len for r in done), sum(r.output_len for r in done)
-    result = {
-        "completed": len(done), "failed": len(records) - len(done), "duration_s": duration_s,
-        "total_input_tokens": total_input, "total_output_tokens": total_output,
-        "request_throughput": len(done) / duration_s,
-        "request_goodput": None,
-        "output_throughput": total_output / duration_s,
-        "total_token_throughput": (total_input + total_output) / duration_s,
-        "max_concurrent_requests": _peak_concurrency(records),
-    }
-    if goodput_slos_ms:
-        good = [r for r in done if all(_slo_value_ms(r, name) <= slo_ms for name, slo_ms in goodput_slos_ms.items())]
-        result["request_goodput"] = len(good) / duration_s
-    for name, values_s in samples_s.items():
-        values_ms = np.asarray(values_s, dtype=float) * 1e3
-        empty = values_ms.size == 0
-        result[f"mean_{name}_ms"] = None if empty else float(values_ms.mean())
-        result[f"median_{name}_ms"] = None if empty else float(np.median(values_ms))
-        result[f"std_{name}_ms"] = None if empty else float(values_ms.std())
-        for p in percentiles:
-            result[f"p{_percentile_name(p)}_{name}_ms"] = None if empty else float(np.percentile(values_ms, p))
-    return result
-
-
-def _slo_value_ms(record: RequestRecord, name: str) -> float:
-    value_s = {"ttft": record.ttft_s, "tpot": record.tpot_s or 0.0, "e2el": record.e2el_s}[name]
-    return value_s * 1e3
-
-
-def _peak_concurrency(records: Sequence[RequestRecord]) -> int:
-    # Ends sort before starts at the same instant: a request that ends as another starts is not overlap.
-    events = sorted([(r.start_s, 1) for r in records] + [(r.start_s + r.e2el_s, -1) for r in records])
-    peak = running = 0
-    for _, step in events:
-        running += step
-        peak = max(peak, running)
-    return peak
-
-
-def _percentile_name(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
-
-
 # -- running ---------------------------------------------------------------------------------
 
 async def run_rate(config: BenchConfig, backend, prompts: Sequence[Prompt], request_rate: float,
@@ -415,7 +191,7 @@ async def run_rate(config: BenchConfig, backend, prompts: Sequence[Prompt], requ
     async def one(prompt: Prompt, arrival_s: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, run_start_s + arrival_s - time.perf_counter()))
         async with limit or nullcontext():
-            clock = _StreamClock(run_start_s, prompt)
+            clock = StreamClock(run_start_s, prompt)
             try:
                 record = await asyncio.wait_for(backend.send(prompt, clock), config.timeout_s)
             except asyncio.TimeoutError:
@@ -492,60 +268,6 @@ def _jsonable(value):
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-# -- printing --------------------------------------------------------------------------------
-
-def _row(label: str, value) -> str:
-    if value is None:
-        return f"{label:<40} {'n/a':<10}"
-    return f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value!s:<10}"
-
-
-def format_result(result: dict, config: BenchConfig) -> str:
-    """One rate's result as vLLM prints it."""
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
-             _row("Backend:", config.backend),
-             _row("Successful requests:", result["completed"]),
-             _row("Failed requests:", result["failed"]),
-             _row("Request rate configured (RPS):", result["request_rate"]),
-             _row("Burstiness factor:", result["burstiness"]),
-             _row("Maximum request concurrency:", result["max_concurrency"]),
-             _row("Benchmark duration (s):", result["duration_s"]),
-             _row("Total input tokens:", result["total_input_tokens"]),
-             _row("Total generated tokens:", result["total_output_tokens"]),
-             _row("Request throughput (req/s):", result["request_throughput"])]
-    if result["request_goodput"] is not None:
-        lines.append(_row("Request goodput (req/s):", result["request_goodput"]))
-    lines += [_row("Output token throughput (tok/s):", result["output_throughput"]),
-              _row("Peak concurrent requests:", result["max_concurrent_requests"]),
-              _row("Total token throughput (tok/s):", result["total_token_throughput"])]
-    for name in config.percentile_metrics:
-        title, short = _METRIC_TITLES[name]
-        lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-        lines.append(_row(f"Mean {short} (ms):", result[f"mean_{name}_ms"]))
-        lines.append(_row(f"Median {short} (ms):", result[f"median_{name}_ms"]))
-        for p in config.metric_percentiles:
-            lines.append(_row(f"P{_percentile_name(p)} {short} (ms):", result[f"p{_percentile_name(p)}_{name}_ms"]))
-    if result["distinct_errors"]:
-        lines.append("{s:{c}^{n}}".format(s="Errors (first distinct)", n=50, c="-"))
-        lines += [f"  {error}" for error in result["distinct_errors"][:_MAX_ERRORS_SHOWN]]
-    lines.append("=" * 50)
-    return "\n".join(lines)
-
-
-def format_sweep(report: dict) -> str:
-    def ms(value) -> str:
-        return "n/a" if value is None else f"{value:.1f}"
-
-    lines = [f"{'rate':>8} {'done':>5} {'fail':>5} {'req/s':>7} {'good/s':>7} {'out tok/s':>9} "
-             f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17} {'ITL p50/p99 ms':>17}"]
-    for r in report["results"]:
-        goodput = "n/a" if r["request_goodput"] is None else f"{r['request_goodput']:.2f}"
-        lines.append(f"{r['request_rate']:>8g} {r['completed']:>5} {r['failed']:>5} {r['request_throughput']:>7.2f} "
-                     f"{goodput:>7} {r['output_throughput']:>9.1f} "
-                     + " ".join(f"{ms(r[f'p50_{m}_ms']) + '/' + ms(r[f'p99_{m}_ms']):>17}" for m in ("ttft", "tpot", "itl")))
-    return "\n".join(lines)
 
 
 # -- command line ----------------------------------------------------------------------------

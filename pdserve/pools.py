@@ -214,5 +214,5 @@ class AutoscaleLoop:
             ttft_p50_s=router.recent_p50(router.recent_first_tokens, now_s),
             queue_p50_s=router.recent_p50(queues, now_s),
             decode_kv_use=used / total, waiting_for_kv=self.router.waiting_for_kv,
-            requests_in_flight=len(self.router.in_flight) + self.router.waiting_for_kv,
+            requests_in_flight=self.router.active,  # running or waiting for KV room
         )

@@ -135,8 +135,8 @@ class System:
     async def metrics_snapshot(self):
         from router.metrics import Snapshot, WorkerRow
 
-        rows = [WorkerRow(w.worker_id, w.info.role, w.state if not isinstance(load, BaseException) else "dead",
-                          None if isinstance(load, BaseException) else load) for w, load in await self.worker_loads()]
+        rows = [WorkerRow(w.worker_id, w.info.role, "dead", None) if isinstance(load, BaseException)
+                else WorkerRow(w.worker_id, w.info.role, w.state, load) for w, load in await self.worker_loads()]
         return Snapshot(rows, self.router.active, self.router.waiting_for_kv)
 
     async def stats(self):

@@ -15,15 +15,15 @@ from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.auth import AuthError, Credentials
 from router.logs import request_context
-from router.overload import OverloadedError
-from router.pool import NoWorkerError
-from router.router import AdmissionTimeoutError, Router, StreamItem, WorkerError
+from router.router import Router, StreamItem, describe_failure
 from router.validation import RequestValidationError, ValidationLimits, validate
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 8 << 20  # room for a 1 MiB prompt in any encoding; the validator enforces the real limit
 SERVICE_NAME = "pdserve.v1.Generation"
+_STATUS = {"unavailable": grpc.StatusCode.UNAVAILABLE, "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+           "deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "internal": grpc.StatusCode.UNAVAILABLE}
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -66,21 +66,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 async for item in stream:
                     await context.write(_response(validated.request_id, item))
             return None, ""
-        except NoWorkerError as error:
-            return grpc.StatusCode.UNAVAILABLE, str(error)
-        except (AdmissionTimeoutError, OverloadedError) as error:
-            context.set_trailing_metadata((("retry-after-s", "1"),))
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-        except TimeoutError:
-            return grpc.StatusCode.DEADLINE_EXCEEDED, f"request {validated.request_id} passed its deadline"
-        except WorkerError as error:
-            log.warning("failed on a worker: %s", error)
-            return grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {error}"
+        except grpc.aio.AbortError:
+            raise
         except Exception as error:  # a Ray actor died or similar: the client gets a status, never a hang
-            if isinstance(error, grpc.aio.AbortError):
-                raise
-            log.exception("failed")
-            return grpc.StatusCode.UNAVAILABLE, f"request {validated.request_id} failed: {type(error).__name__}: {error}"
+            kind, message = describe_failure(error, validated.request_id)
+            if kind == "overloaded":
+                context.set_trailing_metadata((("retry-after-s", "1"),))
+            return _STATUS[kind], message
 
     async def Abort(self, request, context):
         await self._authorize(context, admin=False)

@@ -24,9 +24,7 @@ from router.logs import request_context
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics, Snapshot
 from router.openai_api import (SSE_DONE, ApiError, ParsedRequest, ResponseShape, invalid, openai_param, parse_body,
                                parse_request, sse)
-from router.overload import OverloadedError
-from router.pool import NoWorkerError
-from router.router import AdmissionTimeoutError, Router, StreamItem, WorkerError
+from router.router import Router, StreamItem, describe_failure
 from router.validation import MAX_REQUEST_ID_CHARS, RequestValidationError, ValidatedRequest, ValidationLimits, validate
 
 log = logging.getLogger(__name__)
@@ -184,7 +182,7 @@ async def _event_stream(request: web.Request, stream, first: StreamItem, shape: 
                     await response.write(sse(shape.usage_chunk(item.final)))
                 break
             item = await anext(stream)
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError:
         raise  # the client went away: closing the stream aborts the request on its workers
     except Exception as error:  # headers are sent: the error goes in the stream, as OpenAI does
         await response.write(sse(_api_error(error, request_id).body()))
@@ -193,26 +191,18 @@ async def _event_stream(request: web.Request, stream, first: StreamItem, shape: 
     return response
 
 
+_STATUS = {"unavailable": 503, "overloaded": 429, "deadline": 504, "internal": 500}
+
+
 def _api_error(error: Exception, request_id: str) -> ApiError:
     if isinstance(error, ApiError):
         return error
-    if isinstance(error, (AdmissionTimeoutError, OverloadedError)):
-        return ApiError(429, str(error), code="overloaded")
-    if isinstance(error, NoWorkerError):
-        return ApiError(503, str(error))
-    if isinstance(error, asyncio.TimeoutError):
-        return ApiError(504, f"request {request_id} passed its deadline")
-    if isinstance(error, WorkerError):
-        log.warning("failed on a worker: %s", error)
-        return ApiError(503, f"request {request_id} failed: {error}")
-    log.error("failed: %s: %s", type(error).__name__, error)
-    return ApiError(500, f"request {request_id} failed: {type(error).__name__}: {error}")
+    kind, message = describe_failure(error, request_id)
+    return ApiError(_STATUS[kind], message, code="overloaded" if kind == "overloaded" else None)
 
 
 def _error_response(error: ApiError) -> web.Response:
-    headers = {"Retry-After": "1"} if error.status == 429 else None
-    if error.status == 401:
-        headers = {"WWW-Authenticate": "Bearer"}
+    headers = {429: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}.get(error.status)
     return web.json_response(error.body(), status=error.status, headers=headers)
 
 

@@ -63,7 +63,7 @@ class RouterMetrics:
 
     def observe_finished(self, final) -> None:
         """A request finished normally: its latencies, transfer and token counts (`final`: router.FinalInfo)."""
-        self.requests.labels(final.finish_reason if final.finish_reason in OUTCOMES else "stop").inc()
+        self.requests.labels({"abort": "aborted"}.get(final.finish_reason, final.finish_reason)).inc()
         self.ttft.observe(final.ttft_s)
         if final.completion_tokens > 1:
             self.tpot.observe(final.tpot_s)

@@ -51,6 +51,22 @@ def is_actor_death(error: BaseException) -> bool:
     return isinstance(error, (ActorDiedError, ActorUnavailableError, RayActorError))
 
 
+def describe_failure(error: BaseException, request_id: str) -> tuple[str, str]:
+    """What a frontend tells a client whose request failed with `error`: a kind ("unavailable",
+    "overloaded", "deadline" or "internal"), which each frontend maps to its status, and a message."""
+    if isinstance(error, (AdmissionTimeoutError, OverloadedError)):
+        return "overloaded", str(error)
+    if isinstance(error, NoWorkerError):
+        return "unavailable", str(error)
+    if isinstance(error, TimeoutError):
+        return "deadline", f"request {request_id} passed its deadline"
+    if isinstance(error, WorkerError):
+        log.warning("failed on a worker: %s", error)
+        return "unavailable", f"request {request_id} failed: {error}"
+    log.error("failed: %s: %s", type(error).__name__, error, exc_info=error)
+    return "internal", f"request {request_id} failed: {type(error).__name__}: {error}"
+
+
 def ray_task_error() -> type:
     from ray.exceptions import RayTaskError  # Ray is imported by whoever built the pools
 
