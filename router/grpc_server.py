@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Callable, Optional
@@ -53,26 +52,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if validated.request_id in self.router.in_flight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {validated.request_id!r} is already running")
+        failure: Optional[tuple[grpc.StatusCode, str]] = None
         with request_context(validated.request_id):
-            code, message = await self._stream(validated, context)
-        if code is not None:
-            await context.abort(code, message)
-
-    async def _stream(self, validated, context) -> tuple[Optional[grpc.StatusCode], str]:
-        """Streams the request to the client; returns the status to end with on failure."""
-        remaining_s = context.time_remaining()  # the client's deadline, honoured here and on the workers
-        try:
-            async with asyncio.timeout(remaining_s), contextlib.aclosing(self.router.generate(validated)) as stream:
-                async for item in stream:
-                    await context.write(_response(validated.request_id, item))
-            return None, ""
-        except grpc.aio.AbortError:
-            raise
-        except Exception as error:  # a Ray actor died or similar: the client gets a status, never a hang
-            kind, message = describe_failure(error, validated.request_id)
-            if kind == "overloaded":
-                context.set_trailing_metadata((("retry-after-s", "1"),))
-            return _STATUS[kind], message
+            try:  # past the client's deadline gRPC cancels this handler; closing the stream aborts the workers
+                async with contextlib.aclosing(self.router.generate(validated)) as stream:
+                    async for item in stream:
+                        yield _response(validated.request_id, item)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as error:  # a Ray actor died or similar: the client gets a status, never a hang
+                kind, message = describe_failure(error, validated.request_id)
+                if kind == "overloaded":
+                    context.set_trailing_metadata((("retry-after-s", "1"),))
+                failure = (_STATUS[kind], message)
+        if failure is not None:
+            await context.abort(*failure)
 
     async def Abort(self, request, context):
         await self._authorize(context, admin=False)

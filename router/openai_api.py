@@ -82,9 +82,9 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise invalid(unknown[0], "unrecognized request argument")
-    for name, allowed in _NEUTRAL.items():
-        if name in body and not _is_neutral(body[name], allowed):
-            raise invalid(name, f"only {json.dumps(allowed[0])} is supported, got {json.dumps(body[name])[:40]}")
+    for name, neutral in _NEUTRAL.items():
+        if name in body and not _is_neutral(body[name], neutral):
+            raise invalid(name, f"only {json.dumps(neutral[0])} is supported, got {json.dumps(body[name])[:40]}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "is required (a string; GET /v1/models lists them)")
@@ -102,10 +102,10 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
     _sampling(body, request.sampling, max_tokens_param)
     stream = _typed(body, "stream", bool, False)
     options = body.get("stream_options")
-    if options is not None and not stream:
-        raise invalid("stream_options", "is only allowed when stream is true")
     include_usage = False
     if options is not None:
+        if not stream:
+            raise invalid("stream_options", "is only allowed when stream is true")
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
             raise invalid("stream_options", "must be an object with include_usage (bool)")
         include_usage = _typed(options, "include_usage", bool, False, "stream_options.include_usage")

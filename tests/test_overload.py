@@ -114,3 +114,18 @@ def test_soak_keeps_memory_flat(system, references):
             json.dump(REPORT, out, indent=1)
     assert served > 50
     assert all(delta < RSS_BOUND_BYTES for delta in growth.values()), growth
+
+
+def test_a_grpc_deadline_ends_the_request_on_its_workers(system):
+    received = []
+    started = time.monotonic()
+    with PdserveClient(port=system.port, timeout_s=2.0) as client:
+        with pytest.raises(grpc.RpcError) as failure:
+            for response in client.stream(client.request("Tell me a very long story.", max_tokens=2000, temperature=0,
+                                                         ignore_eos=True)):
+                received += response.token_ids
+    assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert received and time.monotonic() - started < 10  # it was decoding when the deadline passed
+    after = system.wait_idle(timeout_s=15)
+    assert after.requests_in_flight == 0 and system.system.router.active == 0
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in after.workers)
