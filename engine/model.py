@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.paged_attention import PagedDecodeAttention
 
 
 @dataclass
@@ -107,6 +110,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
+        self.decode_kernel: Optional["PagedDecodeAttention"] = None  # set by LlamaModel.use_decode_kernel
 
     def forward(
         self,
@@ -138,6 +142,9 @@ class Attention(nn.Module):
         c = self.config
         batch_size = q.shape[0]
         block_tables = batch.decode_block_tables
+        if self.decode_kernel is not None and self.decode_kernel.supports(k_cache):
+            out = self.decode_kernel(q, k_cache, v_cache, block_tables, batch.decode_context_lens, self.scale)
+            return out.reshape(batch_size, c.q_size)
         keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, T, head_dim]
         values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
         span = torch.arange(keys.shape[2], device=q.device)
@@ -212,6 +219,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
+
+    def use_decode_kernel(self, kernel: Optional["PagedDecodeAttention"]) -> None:
+        """Decode attention reads the paged cache in place through `kernel` (None: gather + SDPA)."""
+        for layer in self.layers:
+            layer.self_attn.decode_kernel = kernel
 
     @torch.inference_mode()
     def forward(

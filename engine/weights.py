@@ -15,6 +15,7 @@ from engine.config import NAMED_SHAPES, ModelConfig
 from engine.cpu_packing import pack_linears, packing_supported
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
 from engine.model import LlamaModel, rope_inv_freq
+from engine.paged_attention import load_kernel
 from engine.tokenizer import Tokenizer
 
 DUMMY_PREFIX = "dummy:"
@@ -108,4 +109,6 @@ def build_model(config: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tenso
 def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) -> LlamaModel:
     if packing_supported(dtype, device):
         pack_linears(model)
+    if torch.device(device).type == "cpu":
+        model.use_decode_kernel(load_kernel())
     return model

@@ -103,6 +103,27 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny):
     assert batch[0].token_ids == run(temperature=1.0, seed=7)
 
 
+def test_sampled_tokens_follow_the_filtered_softmax():
+    from engine.sampling import sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, float("-inf")]])
+    draws = 4000
+
+    def frequencies(params):
+        counts = torch.zeros(5)
+        for position in range(draws):
+            counts[sample(logits, [params], [position])[0]] += 1
+        return counts / draws
+
+    plain = frequencies(SamplingParams(temperature=1.0, seed=11))
+    assert plain[4] == 0  # probability 0 is never drawn
+    assert (plain - logits[0].softmax(-1)).abs().max() < 0.03  # 4000 draws: sd of each share <= 0.008
+    hot = frequencies(SamplingParams(temperature=2.0, seed=11))
+    assert (hot - (logits[0] / 2).softmax(-1)).abs().max() < 0.03
+    top2 = frequencies(SamplingParams(temperature=1.0, top_k=2, seed=11))
+    assert top2[2:].sum() == 0 and abs(top2[0] - logits[0, :2].softmax(-1)[0]) < 0.03
+
+
 @pytest.mark.parametrize(
     "prompt, message",
     [([], "prompt is empty"), ([1, 2, 10**6], "outside the vocabulary"), (list(range(3, 500)) * 3, "the model's context is 1024 tokens")],
