@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass, resolved once when weights are loaded. No torch."""
+"""Model and engine configuration: frozen dataclasses, resolved once at start-up. No torch, so the
+router can build the workers' configs without importing it."""
 
 from __future__ import annotations
 
@@ -127,3 +128,31 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", is_qwen2)),
     )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size_tokens: int = 16
+    kv_cache_bytes: int = 512 * 2**20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
+    # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes text
+    # only for requests with stop strings, which it must see to stop at the right token.
+    detokenize: bool = True
+
+    @property
+    def torch_dtype(self):
+        from engine.weights import parse_dtype
+
+        return parse_dtype(self.dtype)
+
+    @property
+    def scheduler(self):
+        from engine.scheduler import SchedulerConfig
+
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)

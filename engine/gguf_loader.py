@@ -43,6 +43,18 @@ def read_fields(reader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
+def read_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """(metadata fields, tensor names) of a GGUF file; parsed once, then from the disk cache."""
+    from engine import disk_cache
+
+    def parse() -> dict[str, Any]:
+        reader = open_gguf(path)
+        return {"fields": read_fields(reader), "tensor_names": [t.name for t in reader.tensors]}
+
+    metadata = disk_cache.gguf_metadata(path, parse)
+    return metadata["fields"], metadata["tensor_names"]
+
+
 def config_from_fields(fields: dict[str, Any], has_output_weight: bool, name: str) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in _SUPPORTED_ARCHITECTURES:

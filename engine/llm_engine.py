@@ -19,41 +19,18 @@ from typing import Iterator, Optional, Sequence as Seq, Union
 import torch
 
 from engine.block_manager import BlockAllocator
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVLayout, PagedKVCache
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, sample
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.weights import LoadedModel, load_model, parse_dtype
+from engine.weights import LoadedModel, load_model
 
 
 class RequestError(ValueError):
     """A request the engine cannot serve as given (the message names the problem)."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "default"
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size_tokens: int = 16
-    kv_cache_bytes: int = 512 * 2**20
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
-    # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes text
-    # only for requests with stop strings, which it must see to stop at the right token.
-    detokenize: bool = True
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
-
-    @property
-    def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
 
 
 @dataclass

@@ -4,9 +4,9 @@ The torch path gathers every sequence's blocks into a padded copy and runs SDPA 
 mask; on CPU that copy and SDPA's per-call setup are two thirds of a batched decode step. The kernel
 walks each sequence's block table instead and reads every K and V row once (engine/csrc).
 
-It is compiled with the system C compiler into a per-user cache the first time a process needs it
-(about a second), keyed by the source, the flags, the compiler and the CPU's features, and loaded
-with ctypes. Without a compiler, or with `PDSERVE_DISABLE_KERNELS=1`, the engine uses the torch
+It is compiled with the system C compiler into the disk cache (engine/disk_cache.py) the first time
+a process needs it (about a second), keyed by the source, the flags, the compiler and the CPU's
+features, and loaded with ctypes. Without a compiler, or with `PDSERVE_DISABLE_KERNELS=1`, the engine uses the torch
 path: the same results to float rounding, only slower.
 """
 
@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
@@ -26,10 +25,11 @@ from typing import Optional
 
 import torch
 
+from engine.disk_cache import cache_root, write_atomically
+
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"
-CACHE_ENV = "PDSERVE_CACHE_DIR"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Reassociation lets the compiler vectorize the dot products and sums (3x here); unlike -ffast-math it
 # keeps infinities and NaNs meaningful.
@@ -54,11 +54,6 @@ def _cpu_features() -> str:
     return os.uname().machine
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "pdserve")
-    return Path(root) / "kernels"
-
-
 def build(compiler: Optional[str] = None) -> Path:
     """Compiles the kernel unless a build for this source, compiler and CPU is cached; returns the .so."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -69,21 +64,16 @@ def build(compiler: Optional[str] = None) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_features()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    target = cache_root() / "kernels" / f"paged_attention-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: workers starting together never load a half-written file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
+
+    def compile_to(path: str) -> None:
+        result = subprocess.run([compiler, *CFLAGS, "-o", path, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+
+    write_atomically(target, compile_to)
     return target
 
 

@@ -264,4 +264,4 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return Tokenizer.from_hf_dir(path, read_generation_eos(path))
     from engine import gguf_loader
 
-    return Tokenizer.from_gguf_fields(gguf_loader.read_fields(gguf_loader.open_gguf(path)))
+    return Tokenizer.from_gguf_fields(gguf_loader.read_metadata(path)[0])

@@ -47,15 +47,18 @@ def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float3
         tokenizer = Tokenizer.from_hf_dir(path, generation_eos)
         model = build_model(config, hf_loader.iter_hf_tensors(path), dtype, device)
         return LoadedModel(config, model, tokenizer, str(path))
-    from engine import gguf_loader
+    from engine import disk_cache, gguf_loader
 
-    reader = gguf_loader.open_gguf(path)
-    fields = gguf_loader.read_fields(reader)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    config = gguf_loader.config_from_fields(fields, has_output, name=path.stem)
+    fields, tensor_names = gguf_loader.read_metadata(path)
+    config = gguf_loader.config_from_fields(fields, "output.weight" in tensor_names, name=path.stem)
     tokenizer = Tokenizer.from_gguf_fields(fields)
-    tensors = gguf_loader.iter_hf_tensors(reader, config, fields["general.architecture"])
-    model = build_model(config, tensors, dtype, device)
+
+    def dequantized() -> Iterable[tuple[str, torch.Tensor]]:
+        tensors = gguf_loader.iter_hf_tensors(gguf_loader.open_gguf(path), config, fields["general.architecture"])
+        # rope_freqs stays fp32: it scales the rotary frequencies, computed in float64.
+        return ((name, t if name == "rope_freqs" else t.to(dtype)) for name, t in tensors)
+
+    model = build_model(config, disk_cache.gguf_weights(path, dtype, dequantized), dtype, device)
     return LoadedModel(config, model, tokenizer, str(path))
 
 

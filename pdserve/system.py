@@ -82,7 +82,7 @@ class ServeConfig:
         return self.model if self.model.startswith("dummy:") else resolve_model_path(self.model).stem
 
     def engine_config(self):
-        from engine.llm_engine import EngineConfig  # imported inside the workers' processes only
+        from engine.config import EngineConfig  # torch-free: the router builds it
 
         return EngineConfig(model=self.model, dtype=self.dtype, block_size_tokens=self.block_size_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,

@@ -11,6 +11,7 @@ def _modules_loaded_by(statement: str) -> set[str]:
 
 
 def test_router_and_tokenizer_do_not_import_torch():
-    loaded = _modules_loaded_by("import router, engine.tokenizer, engine.detokenizer; engine.tokenizer.load_tokenizer('default')")
+    loaded = _modules_loaded_by("import router, engine.tokenizer, engine.detokenizer, pdserve.system; "
+                                "engine.tokenizer.load_tokenizer('default'); pdserve.system.ServeConfig().engine_config()")
     assert "engine.tokenizer" in loaded
     assert "torch" not in loaded

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from engine import paged_attention
+from engine import disk_cache, paged_attention
 from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model import Attention, ForwardBatch
@@ -109,14 +109,14 @@ def test_a_batch_split_over_threads_gives_the_same_bits(kernel):
 
 
 def test_the_build_is_cached_and_a_missing_compiler_falls_back_to_torch(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv(paged_attention.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
     built = paged_attention.build()
     assert built.parent == tmp_path / "kernels"
     stamp = built.stat().st_mtime_ns
     assert paged_attention.build() == built and built.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in built.parent.iterdir()] == [built.name]  # no partial files left behind
 
-    monkeypatch.setenv(paged_attention.CACHE_ENV, str(tmp_path / "other"))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path / "other"))
     with pytest.raises(paged_attention.KernelBuildError, match="failed"):
         paged_attention.build(compiler="false")
     monkeypatch.setenv("CC", "false")
