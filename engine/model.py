@@ -161,6 +161,9 @@ class Attention(nn.Module):
             # SDPA takes its fused CPU (flash) kernel only for 4-D inputs: [1, heads, n, head_dim].
             q_part = q[rows].transpose(0, 1).unsqueeze(0)
             num_cached = part.num_context_tokens - part.num_query_tokens
+            if num_cached == 0 and _use_blocked_prefill(q):
+                outputs.append(self._blocked_causal_attention(q[rows], k[rows], v[rows]))
+                continue
             if num_cached == 0:
                 keys, values = k[rows], v[rows]
                 mask = None
@@ -181,6 +184,36 @@ class Attention(nn.Module):
             )
             outputs.append(out[0].transpose(0, 1).reshape(part.num_query_tokens, c.q_size))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+    def _blocked_causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention of one prompt, `_PREFILL_BLOCK` queries at a time, as two batched
+        matmuls per block over only the keys before it (oneDNN's bf16 GEMM) and an fp32 softmax."""
+        c = self.config
+        n, group = q.shape[0], c.num_heads // c.num_kv_heads
+        grouped_q = q.transpose(0, 1).reshape(c.num_kv_heads, group, n, c.head_dim)  # query heads by kv head
+        keys_t, values = k.permute(1, 2, 0), v.transpose(0, 1)  # [kv_heads, head_dim, n], [kv_heads, n, head_dim]
+        out = torch.empty(c.num_kv_heads, group, n, c.head_dim, dtype=q.dtype)
+        future = torch.full((_PREFILL_BLOCK, _PREFILL_BLOCK), float("-inf")).triu(1)
+        for start in range(0, n, _PREFILL_BLOCK):
+            end = min(n, start + _PREFILL_BLOCK)
+            rows = grouped_q[:, :, start:end].reshape(c.num_kv_heads, group * (end - start), c.head_dim)
+            scores = torch.bmm(rows, keys_t[:, :, :end]).float().view(c.num_kv_heads, group, end - start, end)
+            scores.mul_(self.scale)
+            scores[..., start:end] += future[: end - start, : end - start]  # earlier blocks are all visible
+            probs = scores.softmax(-1).to(q.dtype).view(c.num_kv_heads, group * (end - start), end)
+            out[:, :, start:end] = torch.bmm(probs, values[:, :end]).view(c.num_kv_heads, group, end - start, c.head_dim)
+        return out.view(c.num_heads, n, c.head_dim).transpose(0, 1).reshape(n, c.q_size)
+
+
+# bf16 prompts on CPU run attention as blocked matmuls instead of SDPA's CPU flash kernel: a whole
+# 512-token prefill is 15% faster on one core (1024: 17%, 2000: 11%; equal at 128). fp32 keeps SDPA,
+# the path held token-identical to HF.
+_PREFILL_BLOCK = 128
+
+
+def _use_blocked_prefill(q: torch.Tensor) -> bool:
+    return q.dtype == torch.bfloat16 and q.device.type == "cpu"
 
 
 class MLP(nn.Module):
