@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -33,11 +32,14 @@ DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Reassociation lets the compiler vectorize the dot products and sums (3x here); unlike -ffast-math it
 # keeps infinities and NaNs meaningful.
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno",
-          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math",
+          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
+# OpenMP threads a batch over torch's own OpenMP runtime; a compiler without OpenMP still gets the
+# `omp simd` vectorization, single-threaded.
+OPENMP_FLAGS = (("-fopenmp",), ("-fopenmp-simd",))
 MAX_HEAD_DIM = 256  # as in the C source
 _FUNCTIONS = {torch.bfloat16: "paged_decode_attention_bf16", torch.float32: "paged_decode_attention_f32"}
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
 
 
 class KernelBuildError(RuntimeError):
@@ -63,15 +65,17 @@ def build(compiler: Optional[str] = None) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_features()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), str(OPENMP_FLAGS), version, _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"paged_attention-{key}.so"
     if target.exists():
         return target
 
     def compile_to(path: str) -> None:
-        result = subprocess.run([compiler, *CFLAGS, "-o", path, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+        for openmp in OPENMP_FLAGS:
+            result = subprocess.run([compiler, *CFLAGS, *openmp, "-o", path, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                return
+        raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
 
     write_atomically(target, compile_to)
     return target
@@ -87,7 +91,6 @@ class PagedDecodeAttention:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
             self._functions[dtype] = fn
-        self._pool: Optional[ThreadPoolExecutor] = None
 
     def supports(self, cache: torch.Tensor) -> bool:
         """Whether this cache (`[blocks, block_size, kv_heads, head_dim]`) is one the kernel handles."""
@@ -108,22 +111,9 @@ class PagedDecodeAttention:
         fn = self._functions[k_cache.dtype]
         pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q32, k_cache, v_cache, tables, lens, out)]
         shape = (batch, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1])
-
-        def run(begin: int, end: int) -> int:
-            return fn(*pointers, *shape, scale, begin, end)
-
-        num_items = batch
-        threads = min(torch.get_num_threads(), num_items)
-        if threads <= 1:
-            codes = [run(0, num_items)]
-        else:  # ctypes drops the GIL during the call, so plain threads split the batch
-            if self._pool is None or self._pool._max_workers < threads - 1:
-                self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="paged-attn")
-            bounds = [num_items * i // threads for i in range(threads + 1)]
-            futures = [self._pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-            codes = [run(bounds[0], bounds[1])] + [f.result() for f in futures]
-        if any(codes):
-            raise RuntimeError(f"paged attention kernel failed with codes {codes}")
+        code = fn(*pointers, *shape, scale, torch.get_num_threads())
+        if code:
+            raise RuntimeError(f"paged attention kernel failed (code {code})")
         return out.to(q.dtype)
 
 

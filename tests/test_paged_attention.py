@@ -1,6 +1,7 @@
 """The paged decode-attention kernel against a float64 reference and the torch (gather + SDPA) path."""
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -167,3 +168,9 @@ def test_blocked_prefill_attention_matches_causal_sdpa(num_tokens, shape):
         is_causal=True, enable_gqa=True, scale=head_dim**-0.5).transpose(0, 1).reshape(num_tokens, -1)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), expected, atol=3e-2, rtol=0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+def test_the_kernel_shares_torchs_openmp_runtime(kernel):
+    loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+    assert len(loaded) <= 1, f"two OpenMP runtimes in one process oversubscribe the cores: {loaded}"

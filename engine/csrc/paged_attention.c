@@ -10,7 +10,9 @@
  *   k/v cache     [num_blocks, block_size, num_kv_heads, head_dim], bf16 (as uint16) or float32
  *   block_tables  int64 [batch, max_blocks]
  *   context_lens  int64 [batch]
- * Sequences [seq_begin, seq_end) only: the caller splits a batch over threads.
+ * Sequences run in parallel over `num_threads` OpenMP threads. Linked against libgomp.so.1, the
+ * kernel shares the OpenMP runtime torch has already loaded, so its threads are torch's threads and
+ * the two never oversubscribe the cores (a Python thread pool did, and was no faster than torch).
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,7 +46,7 @@ static inline float bf16_to_float(uint16_t x) {
 }
 
 #define DEFINE_KERNEL(NAME, ELEM, LOAD)                                                             \
-int NAME(const float *q, const ELEM *k_cache, const ELEM *v_cache, const int64_t *block_tables,     \
+static int NAME##_range(const float *q, const ELEM *k_cache, const ELEM *v_cache, const int64_t *block_tables,     \
          const int64_t *context_lens, float *out, int64_t batch, int64_t num_heads,                 \
          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,            \
          float scale, int64_t seq_begin, int64_t seq_end) {                                         \
@@ -106,6 +108,19 @@ int NAME(const float *q, const ELEM *k_cache, const ELEM *v_cache, const int64_t
     free(scores);                                                                                   \
     free(acc);                                                                                      \
     return 0;                                                                                       \
+}                                                                                                   \
+                                                                                                    \
+int NAME(const float *q, const ELEM *k_cache, const ELEM *v_cache, const int64_t *block_tables,     \
+         const int64_t *context_lens, float *out, int64_t batch, int64_t num_heads,                 \
+         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,            \
+         float scale, int64_t num_threads) {                                                        \
+    int failed = 0;                                                                                 \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(|:failed) if(num_threads > 1)") \
+    for (int64_t b = 0; b < batch; b++)                                                             \
+        failed |= NAME##_range(q, k_cache, v_cache, block_tables, context_lens, out, batch,         \
+                               num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,    \
+                               b, b + 1);                                                           \
+    return failed;                                                                                  \
 }
 
 #define LOAD_BF16(x) bf16_to_float(x)
