@@ -6,8 +6,8 @@ walks each sequence's block table instead and reads every K and V row once (engi
 
 It is compiled with the system C compiler into the disk cache (engine/disk_cache.py) the first time
 a process needs it (about a second), keyed by the source, the flags, the compiler and the CPU's
-features, and loaded with ctypes. Without a compiler, or with `PDSERVE_DISABLE_KERNELS=1`, the engine uses the torch
-path: the same results to float rounding, only slower.
+features, and loaded with ctypes. Without a compiler, or with `PDSERVE_DISABLE_KERNELS=1`, the
+engine uses the torch path: the same results to float rounding, only slower.
 """
 
 from __future__ import annotations

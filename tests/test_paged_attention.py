@@ -51,12 +51,15 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
+def _attention(num_heads, num_kv_heads, head_dim):
+    return Attention(ModelConfig(name="t", vocab_size=8, hidden_size=num_heads * head_dim, intermediate_size=8,
+                                 num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 max_context_tokens=4096, rms_norm_eps=1e-6, rope_theta=10000.0))
+
+
 def _torch_path(q, k_cache, v_cache, tables, lens, scale):
     batch, num_heads, head_dim = q.shape
-    config = ModelConfig(name="t", vocab_size=8, hidden_size=num_heads * head_dim, intermediate_size=8, num_layers=1,
-                         num_heads=num_heads, num_kv_heads=k_cache.shape[2], head_dim=head_dim,
-                         max_context_tokens=4096, rms_norm_eps=1e-6, rope_theta=10000.0)
-    attention = Attention(config)
+    attention = _attention(num_heads, k_cache.shape[2], head_dim)
     batch_info = ForwardBatch(positions=lens - 1, slot_mapping=lens, decode_block_tables=tables, decode_context_lens=lens)
     return attention._decode_attention(q, k_cache, v_cache, batch_info).view(batch, num_heads, head_dim)
 
@@ -155,14 +158,11 @@ def test_engine_uses_the_kernel_and_greedy_output_equals_the_torch_path(kernel, 
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "h{}kv{}d{}".format(*s[:3]))
 def test_blocked_prefill_attention_matches_causal_sdpa(num_tokens, shape):
     num_heads, num_kv_heads, head_dim, _ = shape
-    config = ModelConfig(name="t", vocab_size=8, hidden_size=num_heads * head_dim, intermediate_size=8, num_layers=1,
-                         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         max_context_tokens=4096, rms_norm_eps=1e-6, rope_theta=10000.0)
     g = torch.Generator().manual_seed(num_tokens)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g).bfloat16()
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
-    got = Attention(config)._blocked_causal_attention(q, k, v)
+    got = _attention(num_heads, num_kv_heads, head_dim)._blocked_causal_attention(q, k, v)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
         is_causal=True, enable_gqa=True, scale=head_dim**-0.5).transpose(0, 1).reshape(num_tokens, -1)
