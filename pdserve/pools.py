@@ -19,6 +19,17 @@ _RESOURCE_PER_WORKER = 0.01  # a node type's marker, not a capacity: CPUs and GP
 _DRAIN_POLL_S = 0.1
 
 
+class WorkerStartError(RuntimeError):
+    """New workers cannot start: the cluster lacks room for them, or they were not ready in time."""
+
+
+def _free_summary() -> str:
+    import ray
+
+    free = ray.available_resources()
+    return ", ".join(f"{free[name]:g} {name}" for name in sorted(free) if name == "CPU" or name.startswith(("GPU", "pdserve")))
+
+
 class PoolManager:
     def __init__(self, config, router, epoch: int):
         self.config = config
@@ -60,6 +71,8 @@ class PoolManager:
 
         if count == 0:
             return []
+        if self.config.address == "local":  # a local node never grows: a pending actor would wait forever
+            self._check_room(role, count, self._actor_options(role))
         actors = []
         for _ in range(count):
             worker_id = f"{role}-{self._next_index[role]}"
@@ -72,7 +85,15 @@ class PoolManager:
                 actor = ray.remote(DecodeWorker).options(**options).remote(
                     worker_id, self.engine_config, self.config.transport, self.config.kv_host, role)
             actors.append(actor)
-        infos = await asyncio.gather(*(actor.info.remote() for actor in actors))  # ready = engine loaded
+        try:  # ready = engine loaded; on a cluster, the wait includes any nodes its autoscaler adds
+            infos = await asyncio.wait_for(asyncio.gather(*(actor.info.remote() for actor in actors)),
+                                           self.config.worker_start_timeout_s)
+        except asyncio.TimeoutError:
+            for actor in actors:
+                ray.kill(actor)
+            raise WorkerStartError(
+                f"{role}: {count} new worker(s) were not ready within {self.config.worker_start_timeout_s:.0f} s "
+                f"(each needs {self._actor_options(role)}; free on the cluster now: {_free_summary()})") from None
         handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
         self._pool(role).workers.extend(handles)
         if role != "prefill":
@@ -80,6 +101,18 @@ class PoolManager:
                 self.router.watch(handle)
         log.info("%s pool: %d worker(s) joined: %s", role, count, ", ".join(h.worker_id for h in handles))
         return handles
+
+    def _check_room(self, role: str, count: int, options: dict) -> None:
+        import ray
+
+        free = ray.available_resources()
+        needs = {"CPU": options["num_cpus"] * count, **{k: v * count for k, v in options.get("resources", {}).items()}}
+        short = {name: need for name, need in needs.items() if free.get(name, 0.0) + 1e-9 < need}
+        if short:
+            raise WorkerStartError(
+                f"{role}: {count} more worker(s) need {', '.join(f'{v:g} {k}' for k, v in needs.items())}; this "
+                f"local Ray node has {_free_summary()} free. Serve with a smaller --cpus-per-worker, or on a "
+                f"cluster (--address)")
 
     async def scale(self, prefill: Optional[int] = None, decode: Optional[int] = None) -> tuple[int, int]:
         """Returns once the new sizes are in effect: added workers ready, removed ones draining."""

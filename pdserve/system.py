@@ -31,6 +31,7 @@ class ServeConfig:
     num_prefill: int = 1
     num_decode: int = 1
     cpus_per_worker: float = 1.0
+    worker_start_timeout_s: float = 300.0  # a new worker not ready by then (no room on the cluster?) is given up
     address: str = "local"  # "local": start a Ray node here; "auto" or host:port: join that cluster
     host: str = "127.0.0.1"
     port: int = 50051

@@ -84,6 +84,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             ready_prefill, ready_decode = await self._scale(prefill, decode)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except RuntimeError as error:  # the pools' WorkerStartError: no room for the new workers
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         return pb.ScaleResponse(prefill=ready_prefill, decode=ready_decode)
 
 

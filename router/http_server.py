@@ -147,6 +147,8 @@ class HttpFrontend:
             prefill, decode = await self.scale(sizes["prefill"], sizes["decode"])
         except ValueError as error:
             raise ApiError(400, str(error)) from error
+        except RuntimeError as error:  # the pools' WorkerStartError: no room for the new workers
+            raise ApiError(409, str(error)) from error
         return web.json_response({"prefill": prefill, "decode": decode})
 
     def _authorize(self, request: web.Request, admin: bool) -> None:

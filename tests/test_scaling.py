@@ -84,6 +84,14 @@ def test_scale_rejects_impossible_sizes(system):
         with pytest.raises(grpc.RpcError) as failure:
             client.scale(decode=0)
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least 1" in failure.value.details()
+        # More workers than the local Ray node has CPUs for: refused at once, not left pending forever.
+        before = _decode_workers(system)
+        with pytest.raises(grpc.RpcError) as failure:
+            client.scale(decode=50, timeout_s=60)
+        assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failure.value.details()
+        assert "need 49 CPU" in failure.value.details() and "free" in failure.value.details()
+        assert _decode_workers(system) == before
+        assert len(client.chat("Still serving?", max_tokens=4, temperature=0, ignore_eos=True).token_ids) == 4
 
 
 def test_status_json_lists_every_worker_with_role_node_and_state(system):
