@@ -61,6 +61,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--kv-host", default="127.0.0.1", help="address decode workers' gRPC KV receivers bind (grpc transport)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--worker-start-timeout-s", type=float, default=300.0,
+                   help="give up on new workers not ready by then (no room on the cluster?)")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
     p.add_argument("--autoscale", action="store_true", help="grow/shrink each pool from queue time, TTFT and KV use")
     p.add_argument("--min-prefill", type=int, default=1)
@@ -87,6 +89,7 @@ def _serve_config(args: argparse.Namespace, **overrides):
 
     fields = dict(model=args.model, dtype=args.dtype, mode=args.mode, transport=args.transport,
                   num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
+                  worker_start_timeout_s=args.worker_start_timeout_s,
                   address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,
                   kv_cache_bytes=args.kv_cache_mib << 20, http_port=args.http_port,
                   served_model_name=args.served_model_name, api_keys=_api_keys(args.api_key),
