@@ -54,6 +54,7 @@ class BenchConfig:
     model: Optional[str] = None  # None: the first of GET /v1/models (HTTP), "default" (grpc)
     tokenizer: str = "default"
     api_key: Optional[str] = None
+    tls_ca: Optional[str] = None  # a PEM root certificate: connect with TLS (https / a secure gRPC channel)
     num_prompts: int = 100
     random_input_len: int = 1024
     random_output_len: int = 128
@@ -102,7 +103,7 @@ class BenchConfig:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.resolved_port}"
+        return f"{'https' if self.tls_ca else 'http'}://{self.host}:{self.resolved_port}"
 
     @property
     def reported_percentiles(self) -> tuple[float, ...]:
@@ -297,6 +298,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="default",
                    help="tokenizer for the prompts: 'default', a .gguf file or an HF directory")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (HTTP header or gRPC metadata)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this root certificate")
     p.add_argument("--dataset-name", default="random", choices=["random"])
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=1024)
@@ -330,7 +332,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         result_file = f"pdserve-bench-{args.backend}-{datetime.now():%Y%m%d-%H%M%S}.json"
     return BenchConfig(
         backend=args.backend, host=args.host, port=args.port, model=args.model, tokenizer=args.tokenizer,
-        api_key=args.api_key, num_prompts=args.num_prompts, random_input_len=args.random_input_len,
+        api_key=args.api_key, tls_ca=args.tls_ca, num_prompts=args.num_prompts, random_input_len=args.random_input_len,
         random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio, seed=args.seed,
         request_rates=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         timeout_s=args.timeout_s,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -53,7 +54,12 @@ class GrpcBackend:
 
         self.config = config
         self.model = config.model or "default"
-        self.channel = grpc.aio.insecure_channel(f"{config.host}:{config.resolved_port}")
+        target = f"{config.host}:{config.resolved_port}"
+        if config.tls_ca:
+            with open(config.tls_ca, "rb") as certificate:
+                self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(certificate.read()))
+        else:
+            self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {config.api_key}"),) if config.api_key else ()
 
@@ -101,7 +107,8 @@ class OpenAIBackend:
         import aiohttp
 
         # No connection limit: concurrency is the benchmark's to set (request rate, --max-concurrency).
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False,
+        verify = ssl.create_default_context(cafile=self.config.tls_ca) if self.config.tls_ca else True
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=verify), trust_env=False,
                                              timeout=aiohttp.ClientTimeout(total=None))
         if not self.model:
             url = self.config.base_url + "/v1/models"
