@@ -185,7 +185,6 @@ class Attention(nn.Module):
             outputs.append(out[0].transpose(0, 1).reshape(part.num_query_tokens, c.q_size))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-
     def _blocked_causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal self-attention of one prompt, `_PREFILL_BLOCK` queries at a time, as two batched
         matmuls per block over only the keys before it (oneDNN's bf16 GEMM) and an fp32 softmax."""
@@ -193,7 +192,7 @@ class Attention(nn.Module):
         n, group = q.shape[0], c.num_heads // c.num_kv_heads
         grouped_q = q.transpose(0, 1).reshape(c.num_kv_heads, group, n, c.head_dim)  # query heads by kv head
         keys_t, values = k.permute(1, 2, 0), v.transpose(0, 1)  # [kv_heads, head_dim, n], [kv_heads, n, head_dim]
-        out = torch.empty(c.num_kv_heads, group, n, c.head_dim, dtype=q.dtype)
+        out = torch.empty(c.num_kv_heads, group, n, c.head_dim, dtype=q.dtype, device=q.device)
         future = torch.full((_PREFILL_BLOCK, _PREFILL_BLOCK), float("-inf")).triu(1)
         for start in range(0, n, _PREFILL_BLOCK):
             end = min(n, start + _PREFILL_BLOCK)

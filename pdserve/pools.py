@@ -12,15 +12,13 @@ import asyncio
 import logging
 from typing import Optional
 
+from router.pool import WorkerStartError
+
 log = logging.getLogger(__name__)
 
 NODE_RESOURCE = {"prefill": "pdserve_prefill", "decode": "pdserve_decode", "colocated": "pdserve_decode"}
 _RESOURCE_PER_WORKER = 0.01  # a node type's marker, not a capacity: CPUs and GPUs bound the count
 _DRAIN_POLL_S = 0.1
-
-
-class WorkerStartError(RuntimeError):
-    """New workers cannot start: the cluster lacks room for them, or they were not ready in time."""
 
 
 def _free_summary() -> str:

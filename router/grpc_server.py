@@ -14,6 +14,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.auth import AuthError, Credentials
 from router.logs import request_context
+from router.pool import WorkerStartError
 from router.router import Router, StreamItem, describe_failure
 from router.validation import RequestValidationError, ValidationLimits, validate
 
@@ -84,7 +85,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             ready_prefill, ready_decode = await self._scale(prefill, decode)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except RuntimeError as error:  # the pools' WorkerStartError: no room for the new workers
+        except WorkerStartError as error:  # no room for the new workers
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         return pb.ScaleResponse(prefill=ready_prefill, decode=ready_decode)
 

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from router.auth import AuthError, Credentials
 from router.logs import request_context
+from router.pool import WorkerStartError
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics, Snapshot
 from router.openai_api import (SSE_DONE, ApiError, ParsedRequest, ResponseShape, invalid, openai_param, parse_body,
                                parse_request, sse)
@@ -147,7 +148,7 @@ class HttpFrontend:
             prefill, decode = await self.scale(sizes["prefill"], sizes["decode"])
         except ValueError as error:
             raise ApiError(400, str(error)) from error
-        except RuntimeError as error:  # the pools' WorkerStartError: no room for the new workers
+        except WorkerStartError as error:  # no room for the new workers
             raise ApiError(409, str(error)) from error
         return web.json_response({"prefill": prefill, "decode": decode})
 

@@ -40,3 +40,7 @@ class WorkerPool:
 
 class NoWorkerError(RuntimeError):
     pass
+
+
+class WorkerStartError(RuntimeError):
+    """New workers cannot start: the cluster lacks room for them, or they were not ready in time."""
