@@ -36,8 +36,9 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     # the collector's full passes, each otherwise a 160 ms pause in the middle of a decode step.
     gc.collect()
     gc.freeze()
-    log.info("engine ready: model %s, %s, %d threads, %d KV blocks", config.model, config.dtype, threads,
-             engine.allocator.num_blocks)
+    kernel = engine.loaded.model.layers[0].self_attn.decode_kernel
+    log.info("engine ready: model %s, %s, %d threads, %d KV blocks, decode attention: %s", config.model, config.dtype,
+             threads, engine.allocator.num_blocks, "paged kernel" if kernel is not None else "torch (gather + SDPA)")
     return engine
 
 
