@@ -158,12 +158,12 @@ class Attention(nn.Module):
         outputs = []
         for part in batch.prefill_slices:
             rows = slice(part.query_start, part.query_start + part.num_query_tokens)
-            # SDPA takes its fused CPU (flash) kernel only for 4-D inputs: [1, heads, n, head_dim].
-            q_part = q[rows].transpose(0, 1).unsqueeze(0)
             num_cached = part.num_context_tokens - part.num_query_tokens
             if num_cached == 0 and _use_blocked_prefill(q):
                 outputs.append(self._blocked_causal_attention(q[rows], k[rows], v[rows]))
                 continue
+            # SDPA takes its fused CPU (flash) kernel only for 4-D inputs: [1, heads, n, head_dim].
+            q_part = q[rows].transpose(0, 1).unsqueeze(0)
             if num_cached == 0:
                 keys, values = k[rows], v[rows]
                 mask = None

@@ -39,6 +39,11 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* Offset of token t's row (all kv heads) in a cache, through the sequence's block table. */
+static inline int64_t row_offset(const int64_t *table, int64_t t, int64_t block_size, int64_t row_size) {
+    return (table[t / block_size] * block_size + t % block_size) * row_size;
+}
+
 static inline float bf16_to_float(uint16_t x) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)x << 16;
@@ -46,67 +51,56 @@ static inline float bf16_to_float(uint16_t x) {
 }
 
 #define DEFINE_KERNEL(NAME, ELEM, LOAD)                                                             \
-static int NAME##_range(const float *q, const ELEM *k_cache, const ELEM *v_cache, const int64_t *block_tables,     \
-         const int64_t *context_lens, float *out, int64_t batch, int64_t num_heads,                 \
-         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,            \
-         float scale, int64_t seq_begin, int64_t seq_end) {                                         \
+static int NAME##_sequence(const float *qb, const ELEM *k_cache, const ELEM *v_cache,              \
+         const int64_t *table, int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads,    \
+         int64_t head_dim, int64_t block_size, float scale) {                                       \
     const int64_t group = num_heads / num_kv_heads;                                                 \
     const int64_t row_size = num_kv_heads * head_dim; /* one token's K (or V), all kv heads */      \
     if (head_dim > MAX_HEAD_DIM) return -1;                                                         \
-    int64_t max_len = 1;                                                                            \
-    for (int64_t b = seq_begin; b < seq_end; b++) if (context_lens[b] > max_len) max_len = context_lens[b]; \
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * max_len));                 \
-    float *acc = (float *)malloc(sizeof(float) * (size_t)(num_heads * head_dim));                   \
-    if (!scores || !acc) { free(scores); free(acc); return -2; }                                    \
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * (len > 0 ? len : 1)));     \
+    if (!scores) return -2;                                                                         \
     float row[MAX_HEAD_DIM];                                                                        \
-    for (int64_t b = seq_begin; b < seq_end; b++) {                                                 \
-        const int64_t len = context_lens[b];                                                        \
-        const int64_t *table = block_tables + b * max_blocks;                                       \
-        const float *qb = q + b * num_heads * head_dim;                                             \
-        /* Pass 1: every head's score against each cached token; a token's row is contiguous. */   \
-        for (int64_t t = 0; t < len; t++) {                                                         \
-            const ELEM *k = k_cache + (table[t / block_size] * block_size + t % block_size) * row_size; \
-            for (int64_t h = 0; h < num_kv_heads; h++) {                                            \
-                _Pragma("omp simd")                                                                 \
-                for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(k[h * head_dim + d]);          \
-                for (int64_t g = h * group; g < (h + 1) * group; g++) {                             \
-                    const float *qv = qb + g * head_dim;                                            \
-                    float s = 0.f;                                                                  \
-                    _Pragma("omp simd reduction(+:s)")                                              \
-                    for (int64_t d = 0; d < head_dim; d++) s += qv[d] * row[d];                     \
-                    scores[g * len + t] = s * scale;                                                \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
-        for (int64_t g = 0; g < num_heads; g++) {                                                   \
-            float *sg = scores + g * len, top = -INFINITY, sum = 0.f;                               \
-            _Pragma("omp simd reduction(max:top)")                                                  \
-            for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;                      \
-            _Pragma("omp simd reduction(+:sum)")                                                    \
-            for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - top); sum += sg[t]; }\
-            const float inv = 1.f / sum;                                                            \
+    /* Pass 1: every head's score against each cached token; a token's row is contiguous. */        \
+    for (int64_t t = 0; t < len; t++) {                                                             \
+        const ELEM *k = k_cache + row_offset(table, t, block_size, row_size);                       \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
             _Pragma("omp simd")                                                                     \
-            for (int64_t t = 0; t < len; t++) sg[t] *= inv;                                         \
-        }                                                                                           \
-        /* Pass 2: the probability-weighted sum of V rows. */                                      \
-        memset(acc, 0, sizeof(float) * (size_t)(num_heads * head_dim));                             \
-        for (int64_t t = 0; t < len; t++) {                                                         \
-            const ELEM *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row_size; \
-            for (int64_t h = 0; h < num_kv_heads; h++) {                                            \
-                _Pragma("omp simd")                                                                 \
-                for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(v[h * head_dim + d]);          \
-                for (int64_t g = h * group; g < (h + 1) * group; g++) {                             \
-                    const float p = scores[g * len + t];                                            \
-                    float *a = acc + g * head_dim;                                                  \
-                    _Pragma("omp simd")                                                             \
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];                      \
-                }                                                                                   \
+            for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(k[h * head_dim + d]);              \
+            for (int64_t g = h * group; g < (h + 1) * group; g++) {                                 \
+                const float *qv = qb + g * head_dim;                                                \
+                float s = 0.f;                                                                      \
+                _Pragma("omp simd reduction(+:s)")                                                  \
+                for (int64_t d = 0; d < head_dim; d++) s += qv[d] * row[d];                         \
+                scores[g * len + t] = s * scale;                                                    \
             }                                                                                       \
         }                                                                                           \
-        memcpy(out + b * num_heads * head_dim, acc, sizeof(float) * (size_t)(num_heads * head_dim)); \
+    }                                                                                               \
+    for (int64_t g = 0; g < num_heads; g++) {                                                       \
+        float *sg = scores + g * len, top = -INFINITY, sum = 0.f;                                   \
+        _Pragma("omp simd reduction(max:top)")                                                      \
+        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;                          \
+        _Pragma("omp simd reduction(+:sum)")                                                        \
+        for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - top); sum += sg[t]; }   \
+        const float inv = 1.f / sum;                                                                \
+        _Pragma("omp simd")                                                                         \
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;                                             \
+    }                                                                                               \
+    /* Pass 2: the probability-weighted sum of V rows, accumulated in place in `out`. */            \
+    memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));                                 \
+    for (int64_t t = 0; t < len; t++) {                                                             \
+        const ELEM *v = v_cache + row_offset(table, t, block_size, row_size);                       \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
+            _Pragma("omp simd")                                                                     \
+            for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(v[h * head_dim + d]);              \
+            for (int64_t g = h * group; g < (h + 1) * group; g++) {                                 \
+                const float p = scores[g * len + t];                                                \
+                float *a = out + g * head_dim;                                                      \
+                _Pragma("omp simd")                                                                 \
+                for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];                          \
+            }                                                                                       \
+        }                                                                                           \
     }                                                                                               \
     free(scores);                                                                                   \
-    free(acc);                                                                                      \
     return 0;                                                                                       \
 }                                                                                                   \
                                                                                                     \
@@ -117,9 +111,10 @@ int NAME(const float *q, const ELEM *k_cache, const ELEM *v_cache, const int64_t
     int failed = 0;                                                                                 \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(|:failed) if(num_threads > 1)") \
     for (int64_t b = 0; b < batch; b++)                                                             \
-        failed |= NAME##_range(q, k_cache, v_cache, block_tables, context_lens, out, batch,         \
-                               num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,    \
-                               b, b + 1);                                                           \
+        failed |= NAME##_sequence(q + b * num_heads * head_dim, k_cache, v_cache,                   \
+                                  block_tables + b * max_blocks, context_lens[b],                   \
+                                  out + b * num_heads * head_dim, num_heads, num_kv_heads,          \
+                                  head_dim, block_size, scale);                                     \
     return failed;                                                                                  \
 }
 
