@@ -21,10 +21,7 @@ _RESOURCE_PER_WORKER = 0.01  # a node type's marker, not a capacity: CPUs and GP
 _DRAIN_POLL_S = 0.1
 
 
-def _free_summary() -> str:
-    import ray
-
-    free = ray.available_resources()
+def _free_summary(free: dict[str, float]) -> str:
     return ", ".join(f"{free[name]:g} {name}" for name in sorted(free) if name == "CPU" or name.startswith(("GPU", "pdserve")))
 
 
@@ -69,13 +66,13 @@ class PoolManager:
 
         if count == 0:
             return []
+        options = self._actor_options(role)
         if self.config.address == "local":  # a local node never grows: a pending actor would wait forever
-            self._check_room(role, count, self._actor_options(role))
+            self._check_room(role, count, options)
         actors = []
         for _ in range(count):
             worker_id = f"{role}-{self._next_index[role]}"
             self._next_index[role] += 1
-            options = self._actor_options(role)
             if role == "prefill":
                 actor = ray.remote(PrefillWorker).options(**options).remote(
                     worker_id, self.engine_config, self.config.transport, self.epoch)
@@ -91,7 +88,7 @@ class PoolManager:
                 ray.kill(actor)
             raise WorkerStartError(
                 f"{role}: {count} new worker(s) were not ready within {self.config.worker_start_timeout_s:.0f} s "
-                f"(each needs {self._actor_options(role)}; free on the cluster now: {_free_summary()})") from None
+                f"(each needs {options}; free on the cluster now: {_free_summary(ray.available_resources())})") from None
         handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
         self._pool(role).workers.extend(handles)
         if role != "prefill":
@@ -109,7 +106,7 @@ class PoolManager:
         if short:
             raise WorkerStartError(
                 f"{role}: {count} more worker(s) need {', '.join(f'{v:g} {k}' for k, v in needs.items())}; this "
-                f"local Ray node has {_free_summary()} free. Serve with a smaller --cpus-per-worker, or on a "
+                f"local Ray node has {_free_summary(free)} free. Serve with a smaller --cpus-per-worker, or on a "
                 f"cluster (--address)")
 
     async def scale(self, prefill: Optional[int] = None, decode: Optional[int] = None) -> tuple[int, int]:
