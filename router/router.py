@@ -295,11 +295,8 @@ class Router:
             raise
         route = self._track(rid, wid, prefill, decode)
         try:
-            result: PrefillResult = await prefill.actor.prefill.remote(wid, prompt_ids, params, decode.info.kv_address)
-        except Exception as error:
-            if is_actor_death(error):
-                raise WorkerLost(prefill, f"{type(error).__name__} during prefill") from error
-            raise
+            result: PrefillResult = await self._call(prefill, prefill.actor.prefill.remote(
+                wid, prompt_ids, params, decode.info.kv_address))
         finally:
             prefill.in_flight -= 1
         progress.prefill = result
