@@ -59,7 +59,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: ModelConfig, freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:
     half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float64) * 2 / config.head_dim))
+    # Always on the CPU, also while a model is built on the meta device (where arange imports torch._dynamo).
+    positions = torch.arange(0, half, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (positions * 2 / config.head_dim))
     scaling = config.rope_scaling
     if scaling is not None:
         # Llama 3.1: long wavelengths slow down by `factor`, short ones stay, a smooth ramp between.
@@ -246,7 +248,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Weights are always loaded over the initial values, so the embedding skips its random init: on the
+        # meta device `normal_` imports torch._dynamo, a second of every worker's start.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

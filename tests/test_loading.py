@@ -101,3 +101,15 @@ def test_bf16_cpu_models_use_packed_linears_that_match_f_linear_bit_for_bit():
         x = torch.randn(rows, 64).bfloat16()
         assert torch.equal(PackedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
     assert not any(isinstance(m, PackedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules())
+
+
+def test_loading_the_default_model_does_not_import_torch_dynamo():
+    # Initialising parameters on the meta device imports torch._dynamo (a second of every worker's start);
+    # the model is built without doing so, and nothing else on the load path needs it.
+    import subprocess
+    import sys
+
+    script = ("import sys; from engine.weights import load_model; load_model(); "
+              "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
