@@ -3,10 +3,15 @@
 Starts a local 1 prefill + 1 decode system (default model, bf16), runs N concurrent greedy streams of
 fixed length, and reports, from the same run:
 - the client-observed inter-token latency (ITL) percentiles,
-- the decode worker's own step time (median over decode-only steps), so that
-  router + streaming overhead per token = ITL p50 - decode step p50,
+- the decode worker's own step time (mean over decode-only steps), so that
+  router + streaming overhead per token = ITL p50 - decode step mean,
 - the router process's CPU seconds per streamed token (the clients run in another process), hence the
   tokens/s one router core sustains.
+
+Each figure is given twice: over the whole run, and over the steady window, while every stream is in
+its decode phase (the decode worker runs all N). The whole run mixes in the ramp (prompts arriving and
+prefilled while early streams decode at small batches, whose steps are faster) and each request's
+set-up; the steady window compares ITL and step time over the same steps.
 
     .venv/bin/python -m benchmarks.router_bench [--streams 64] [--tokens 64] [--transport ray]
 """
@@ -21,6 +26,7 @@ import resource
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 from statistics import median
 
 
@@ -54,28 +60,65 @@ def main() -> None:
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:  # clients in their own process
         clients.submit(run_streams, system.port, 4, 8).result()  # warm-up
-        before = _load(loop, decode_actor)
-        cpu_before, wall_before = _cpu_s(), time.monotonic()
-        all_stamps = clients.submit(run_streams, system.port, args.streams, args.tokens).result()
-        wall_s, cpu_s = time.monotonic() - wall_before, _cpu_s() - cpu_before
-        after = _load(loop, decode_actor)
-    step_s = (after.decode_steps_s - before.decode_steps_s) / max(1, after.decode_steps - before.decode_steps)
-    # ITL within each stream's decode phase (skip the first gap: it spans the KV handoff).
-    gaps = [b - a for stamps in all_stamps for a, b in list(zip(stamps, stamps[1:]))[1:] if b > a]
+        samples: list[_Sample] = []
+        sampling = threading.Event()
+        sampler = threading.Thread(target=_sample, args=(loop, decode_actor, samples, sampling), daemon=True)
+        sampler.start()
+        while not samples:
+            time.sleep(0.01)
+        streams = clients.submit(run_streams, system.port, args.streams, args.tokens)
+        all_stamps = streams.result()
+        sampling.set()
+        sampler.join()
+    first, last = samples[0], samples[-1]
+    steady = [s for s in samples if s.load.running_requests == args.streams]
     tokens = sum(len(s) for s in all_stamps)
     result = {
         "streams": args.streams, "tokens_per_stream": args.tokens, "transport": args.transport,
-        "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s,
-        "itl_p50_ms": 1e3 * median(gaps), "itl_p99_ms": 1e3 * _percentile(gaps, 0.99),
-        "decode_step_mean_ms": 1e3 * step_s, "max_batch": after.max_batch_size_seen,
-        "router_overhead_p50_ms": 1e3 * (median(gaps) - step_s),
-        "router_cpu_ms_per_token": 1e3 * cpu_s / tokens, "router_tokens_per_cpu_s": tokens / cpu_s,
+        "tokens": tokens, "wall_s": last.time_s - first.time_s, "max_batch": last.load.max_batch_size_seen,
+        "whole_run": _figures(all_stamps, first, last),
+        "steady": _figures(all_stamps, steady[0], steady[-1]) if len(steady) >= 2 else None,
     }
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)
     asyncio.run_coroutine_threadsafe(system.stop(), loop).result(60)
+
+
+@dataclass
+class _Sample:
+    time_s: float  # monotonic: the same clock as the clients' stamps (one machine)
+    cpu_s: float  # this process's (the router's) CPU time
+    load: object  # the decode worker's WorkerLoad
+
+
+def _sample(loop, actor, samples: list, done: threading.Event, every_s: float = 0.5) -> None:
+    """Polls the decode worker; each poll is a Ray call from this (the router) process, so not too often."""
+    while True:
+        load = _load(loop, actor)
+        samples.append(_Sample(time.monotonic(), _cpu_s(), load))
+        if done.wait(every_s):
+            samples.append(_Sample(time.monotonic(), _cpu_s(), _load(loop, actor)))
+            return
+
+
+def _figures(all_stamps: list[list[float]], start: _Sample, end: _Sample) -> dict:
+    """ITL, decode step and router CPU between two samples."""
+    # Gaps within each stream's decode phase (not its first: that one spans the KV handoff).
+    gaps = [b - a for stamps in all_stamps for a, b in list(zip(stamps, stamps[1:]))[1:]
+            if b > a and start.time_s <= a and b <= end.time_s]
+    tokens = sum(start.time_s <= t <= end.time_s for stamps in all_stamps for t in stamps)
+    steps = end.load.decode_steps - start.load.decode_steps
+    step_s = (end.load.decode_steps_s - start.load.decode_steps_s) / max(1, steps)
+    cpu_s = end.cpu_s - start.cpu_s
+    return {
+        "window_s": end.time_s - start.time_s, "tokens": tokens, "tokens_per_s": tokens / (end.time_s - start.time_s),
+        "decode_steps": steps, "decode_step_mean_ms": 1e3 * step_s,
+        "itl_p50_ms": 1e3 * median(gaps), "itl_p99_ms": 1e3 * _percentile(gaps, 0.99),
+        "router_overhead_p50_ms": 1e3 * (median(gaps) - step_s),
+        "router_cpu_ms_per_token": 1e3 * cpu_s / tokens, "router_tokens_per_cpu_s": tokens / cpu_s,
+    }
 
 
 def run_streams(port: int, streams: int, tokens: int) -> list[list[float]]:

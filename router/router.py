@@ -177,8 +177,17 @@ class Router:
     async def _pump(self, worker: WorkerHandle) -> None:
         """Fans one decode worker's per-step batches out to the requests' queues."""
         try:
-            async for ref in worker.actor.outputs.remote():
-                for chunk in await ref:
+            outputs = worker.actor.outputs.remote()
+            async for ref in outputs:
+                chunks = await ref
+                # Steps that piled up while this loop was busy go out together: every request's queue gets
+                # them before its consumer wakes, which then sends the backlog as one message.
+                while outputs.next_ready():
+                    try:
+                        chunks += await next(outputs)
+                    except StopIteration:
+                        break
+                for chunk in chunks:
                     stream = self._streams.get(chunk.request_id)
                     if stream is not None:
                         stream.put_nowait(chunk)
@@ -312,7 +321,7 @@ class Router:
         if result.deliveries:
             self._fire(decode.actor.deliver.remote(result.deliveries))
         await self._call(decode, decode.actor.admit.remote(wid, prompt_ids, result.first_token_id, params))
-        async for chunk in self._chunks(route):
+        async for chunk in self._chunks(route, coalesce=not params.stop):
             if chunk.kv_ready_wall_s is not None:
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
                 route.prefill_released = True
@@ -361,7 +370,7 @@ class Router:
         worker = self.decode_pool.pick()
         route = self._track(rid, wid, None, worker)
         await self._call(worker, worker.actor.admit_colocated.remote(wid, prompt_ids, params))
-        async for chunk in self._chunks(route):
+        async for chunk in self._chunks(route, coalesce=not params.stop):
             progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker)
 
@@ -376,10 +385,21 @@ class Router:
                 raise WorkerLost(worker, type(error).__name__) from error
             raise
 
-    async def _chunks(self, route: _Route) -> AsyncIterator[TokenChunk]:
+    async def _chunks(self, route: _Route, coalesce: bool = True) -> AsyncIterator[TokenChunk]:
+        """A request's chunks as its decode worker sent them; with `coalesce`, chunks that queued up while
+        this stream was behind (a slow client, a busy router) leave as one, so a backlog costs one message,
+        not one per step. Requests with stop strings are not coalesced: the router may end them on a
+        token in the middle of a chunk."""
         stream = self._streams[route.worker_request_id]
+        pending = None
         while True:
-            chunk = await stream.get()
+            chunk, pending = (pending if pending is not None else await stream.get()), None
+            while coalesce and _open_chunk(chunk) and not stream.empty():
+                following = stream.get_nowait()
+                if not isinstance(following, TokenChunk) or following.error is not None:
+                    pending = following  # handled on its own, next
+                    break
+                chunk = _joined(chunk, following)
             if isinstance(chunk, WorkerLost):
                 raise chunk
             if chunk.error is not None:  # the abort sent on the way out clears anything left behind
@@ -455,3 +475,16 @@ class Router:
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _open_chunk(chunk) -> bool:
+    return isinstance(chunk, TokenChunk) and chunk.finish_reason is None and chunk.error is None
+
+
+def _joined(first: TokenChunk, then: TokenChunk) -> TokenChunk:
+    """Two consecutive chunks of one request as one."""
+    return dataclasses.replace(
+        then, token_ids=first.token_ids + then.token_ids,
+        kv_ready_wall_s=first.kv_ready_wall_s if first.kv_ready_wall_s is not None else then.kv_ready_wall_s,
+        num_prompt_tokens=max(first.num_prompt_tokens, then.num_prompt_tokens),
+        num_cached_prompt_tokens=max(first.num_cached_prompt_tokens, then.num_cached_prompt_tokens))

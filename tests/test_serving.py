@@ -65,6 +65,20 @@ def test_streaming_is_real_and_ttft_is_what_the_client_saw(disaggregated):
     assert abs(done.timings.ttft_s - client_ttft_s) < 0.05 + 0.2 * client_ttft_s
 
 
+def test_tokens_queued_behind_a_stalled_router_leave_in_one_message_unchanged(disaggregated, harness, expected):
+    question = QUESTIONS[1]  # 32 tokens: most of them come out while the router stalls
+    responses = []
+    with disaggregated.client() as client:
+        for response in client.stream(client.request(messages=[{"role": "user", "content": question}],
+                                                     max_tokens=32, temperature=0)):
+            responses.append(response)
+            if len(responses) == 2:  # decoding: the router's loop stalls while the decode worker goes on
+                harness.loop.call_soon_threadsafe(time.sleep, 1.0)
+    assert [t for r in responses for t in r.token_ids] == expected[question].token_ids
+    assert "".join(r.text for r in responses) == expected[question].text
+    assert max(len(r.token_ids) for r in responses) > 4  # the backlog left together, not one message per step
+
+
 def test_continuous_batching_admits_requests_into_a_running_batch(disaggregated):
     with ThreadPoolExecutor(17) as pool:
         long_run = pool.submit(lambda: disaggregated.client().generate(
