@@ -47,13 +47,14 @@ def main() -> None:
     parser.add_argument("--transport", default="ray", choices=["ray", "grpc"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--asyncio-loop", action="store_true", help="serve on asyncio's own loop, not uvloop's")
     args = parser.parse_args()
 
-    from pdserve.system import ServeConfig, init_ray, start_system
+    from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
     config = ServeConfig(transport=args.transport, dtype=args.dtype, port=0, max_num_seqs=args.streams)
     init_ray(config)
-    loop = asyncio.new_event_loop()
+    loop = asyncio.new_event_loop() if args.asyncio_loop else new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(300)
     decode_actor = system.router.decode_pool.workers[0].actor

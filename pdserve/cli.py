@@ -115,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from pdserve.system import start_system
+    from pdserve.system import run_router_loop, start_system
     from router.logs import configure_logging
 
     configure_logging("INFO", json_lines=args.log_format == "json")
@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
         await system.stop()
 
-    asyncio.run(run())
+    run_router_loop(run())
     return 0
 
 

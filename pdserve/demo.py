@@ -17,11 +17,11 @@ PROMPTS = (
 
 def run_demo(transport: str, dtype: str) -> int:
     from pdserve.client import PdserveClient
-    from pdserve.system import ServeConfig, init_ray, start_system
+    from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
     config = ServeConfig(transport=transport, dtype=dtype, port=0)
     init_ray(config)  # on the main thread, where Ray can install its signal handlers
-    loop = asyncio.new_event_loop()
+    loop = new_event_loop()
     threading.Thread(target=loop.run_forever, name="router", daemon=True).start()
     print(f"starting Ray, 1 prefill + 1 decode worker ({transport} KV transport, {dtype}) ...", flush=True)
     system = asyncio.run_coroutine_threadsafe(

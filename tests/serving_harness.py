@@ -7,7 +7,7 @@ import threading
 import time
 
 from pdserve.client import PdserveClient
-from pdserve.system import ServeConfig, init_ray, start_system
+from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
 
 class RunningSystem:
@@ -45,7 +45,7 @@ class Harness:
 
     def __init__(self, num_cpus: int = 8):
         self._num_cpus = num_cpus
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()  # the loop the router serves on
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
         self._ray_started = False
