@@ -13,7 +13,7 @@ its decode phase (the decode worker runs all N). The whole run mixes in the ramp
 prefilled while early streams decode at small batches, whose steps are faster) and each request's
 set-up; the steady window compares ITL and step time over the same steps.
 
-    .venv/bin/python -m benchmarks.router_bench [--streams 64] [--tokens 64] [--transport ray]
+    .venv/bin/python -m benchmarks.router_bench [--streams 64] [--tokens 64] [--transport ray] [--stream-interval 1]
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ def main() -> None:
     parser.add_argument("--transport", default="ray", choices=["ray", "grpc"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--stream-interval", type=int, default=1, help="decode tokens per streamed message")
     parser.add_argument("--asyncio-loop", action="store_true", help="serve on asyncio's own loop, not uvloop's")
     args = parser.parse_args()
 
     from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
-    config = ServeConfig(transport=args.transport, dtype=args.dtype, port=0, max_num_seqs=args.streams)
+    config = ServeConfig(transport=args.transport, dtype=args.dtype, port=0, max_num_seqs=args.streams,
+                         stream_interval=args.stream_interval)
     init_ray(config)
     loop = asyncio.new_event_loop() if args.asyncio_loop else new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -76,6 +78,7 @@ def main() -> None:
     tokens = sum(len(s) for s in all_stamps)
     result = {
         "streams": args.streams, "tokens_per_stream": args.tokens, "transport": args.transport,
+        "stream_interval": args.stream_interval,
         "tokens": tokens, "wall_s": last.time_s - first.time_s, "max_batch": last.load.max_batch_size_seen,
         "whole_run": _figures(all_stamps, first, last),
         "steady": _figures(all_stamps, steady[0], steady[-1]) if len(steady) >= 2 else None,

@@ -80,6 +80,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--max-in-flight", type=int, default=1024, help="requests held at once; beyond: RESOURCE_EXHAUSTED / HTTP 429")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued for decode KV room; beyond: RESOURCE_EXHAUSTED / HTTP 429")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="decode tokens per streamed message: 1 sends every token at once; N cuts the router's "
+                        "messages N-fold, in bursts of N tokens")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON lines (both carry the request id)")
     p.set_defaults(handler=_serve)
 
@@ -95,7 +98,8 @@ def _serve_config(args: argparse.Namespace, **overrides):
                   served_model_name=args.served_model_name, api_keys=_api_keys(args.api_key),
                   admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,
                   insecure=args.insecure, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                  max_in_flight=args.max_in_flight, max_waiting_for_kv=args.max_waiting)
+                  max_in_flight=args.max_in_flight, max_waiting_for_kv=args.max_waiting,
+                  stream_interval=args.stream_interval)
     if args.autoscale:
         from router.autoscaler import AutoscaleConfig
 

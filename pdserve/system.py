@@ -51,6 +51,7 @@ class ServeConfig:
     tls_key: Optional[str] = None
     max_in_flight: int = 1024  # requests the router holds at once; beyond: RESOURCE_EXHAUSTED / 429
     max_waiting_for_kv: int = 256  # of those, queued for KV room on a decode worker
+    stream_interval: int = 1  # decode tokens per streamed message (router.router.RouterConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -59,6 +60,8 @@ class ServeConfig:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
             raise ValueError("need at least one decode worker, and one prefill worker when disaggregated")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         from router.auth import check_bind
@@ -216,7 +219,8 @@ async def start_system(config: ServeConfig) -> System:
     tokenizer = load_tokenizer(config.model)
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
-    router = Router(RouterConfig(config.mode, limits=admission), tokenizer, WorkerPool("prefill"), WorkerPool(decode_role))
+    router = Router(RouterConfig(config.mode, limits=admission, stream_interval=config.stream_interval), tokenizer,
+                    WorkerPool("prefill"), WorkerPool(decode_role))
     pools = PoolManager(config, router, epoch=int(time.time()))
     await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
                          pools.add_workers("prefill", config.num_prefill if config.mode == "disaggregated" else 0))

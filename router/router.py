@@ -80,6 +80,13 @@ class RouterConfig:
     max_migrations: int = 3  # re-runs of one request after workers died under it, before it fails
     admission_timeout_s: float = 120.0  # how long a request may wait for KV room before RESOURCE_EXHAUSTED
     limits: AdmissionLimits = AdmissionLimits()
+    # Decode tokens a request's message waits for (SGLang's --stream-interval): 1 sends each step's token
+    # at once; N sends every N-th step, N times fewer messages for the router, less smooth for the client.
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 
 
 @dataclass
@@ -387,15 +394,16 @@ class Router:
 
     async def _chunks(self, route: _Route, coalesce: bool = True) -> AsyncIterator[TokenChunk]:
         """A request's chunks as its decode worker sent them; with `coalesce`, chunks that queued up while
-        this stream was behind (a slow client, a busy router) leave as one, so a backlog costs one message,
-        not one per step. Requests with stop strings are not coalesced: the router may end them on a
-        token in the middle of a chunk."""
+        this stream was behind (a busy router) leave as one, so a backlog costs one message, not one per
+        step, and a chunk waits until it holds `stream_interval` tokens (or ends the request). Requests with
+        stop strings are not coalesced: the router may end them on a token in the middle of a chunk."""
         stream = self._streams[route.worker_request_id]
+        wanted = self.config.stream_interval
         pending = None
         while True:
             chunk, pending = (pending if pending is not None else await stream.get()), None
-            while coalesce and _open_chunk(chunk) and not stream.empty():
-                following = stream.get_nowait()
+            while coalesce and _open_chunk(chunk) and (len(chunk.token_ids) < wanted or not stream.empty()):
+                following = stream.get_nowait() if not stream.empty() else await stream.get()
                 if not isinstance(following, TokenChunk) or following.error is not None:
                     pending = following  # handled on its own, next
                     break

@@ -162,6 +162,13 @@ def test_a_public_bind_without_keys_refuses_to_start():
     assert ServeConfig(host="0.0.0.0", api_keys=("k",), admin_token="t").credentials.configured
 
 
+def test_a_stream_interval_below_one_refuses_to_start():
+    from pdserve.system import ServeConfig
+
+    with pytest.raises(ValueError, match="--stream-interval"):
+        ServeConfig(stream_interval=0)
+
+
 def _still_serves(served, expected: str) -> None:
     status, reply = _post(served, "/v1/completions", {"model": served.config.model_name, "prompt": GOOD_PROMPT,
                                                       "max_tokens": 8, "temperature": 0, "ignore_eos": True})

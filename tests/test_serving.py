@@ -164,6 +164,23 @@ def test_two_by_two_spreads_load_and_completes_64_streams(harness, expected):
         system.stop()
 
 
+def test_stream_interval_sends_decode_tokens_in_groups_and_changes_nothing_else(harness, expected):
+    system = harness.start(transport="ray", stream_interval=4)
+    try:
+        question = QUESTIONS[1]  # 32 tokens, no stop strings
+        with system.client() as client:
+            responses = list(client.stream(client.request(messages=[{"role": "user", "content": question}],
+                                                          max_tokens=32, temperature=0)))
+        sizes = [len(r.token_ids) for r in responses]
+        assert sizes[0] == 1  # the prefill's first token is not held back
+        assert all(size >= 4 for size in sizes[1:-1]) and sum(sizes) == 32, sizes
+        assert [t for r in responses for t in r.token_ids] == expected[question].token_ids
+        assert "".join(r.text for r in responses) == expected[question].text
+        assert responses[-1].usage.completion_tokens == 32
+    finally:
+        system.stop()
+
+
 def test_colocated_mode_gives_the_same_answers(harness, expected):
     system = harness.start(mode="colocated", num_decode=1)
     try:
