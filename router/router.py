@@ -347,16 +347,23 @@ class Router:
                     raise NoWorkerError(f"no healthy {self.decode_pool.role} worker")
                 tried: tuple[str, ...] = ()
                 for _ in self.decode_pool.ready():
-                    decode = self.decode_pool.pick(exclude=tried)
+                    try:
+                        decode = self.decode_pool.pick(exclude=tried)
+                    except NoWorkerError:  # the others stopped being ready meanwhile
+                        break
+                    tried += (decode.worker_id,)
                     try:
                         await decode.actor.reserve.remote(wid, num_prompt_tokens, self.config.kv_reservation_timeout_s)
-                        return decode
+                        if decode.state == "ready":
+                            return decode
+                        # A scale-down began draining it while we reserved (its drain counts only
+                        # tracked requests): hand the blocks back and go elsewhere, not to a stopping worker.
+                        self._fire(decode.actor.abort.remote(wid))
                     except Exception as error:
                         if is_actor_death(error):
                             decode.state = "dead"  # skipped from now on; the pool manager replaces it
                         elif not (isinstance(error, ray_task_error()) and isinstance(error.cause, OutOfBlocksError)):
                             raise
-                        tried += (decode.worker_id,)
                 if time.monotonic() + delay_s > deadline:
                     raise AdmissionTimeoutError(
                         f"no decode worker had KV room for {num_prompt_tokens} prompt tokens within "
