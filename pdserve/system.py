@@ -106,16 +106,12 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def run_router_loop(main) -> None:
     """`asyncio.run` on the router's kind of event loop."""
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(main)
-    finally:
-        try:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def init_ray(config: ServeConfig) -> None:

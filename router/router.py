@@ -159,7 +159,9 @@ class Router:
     requests_completed: int = 0
     requests_failed: int = 0
     in_flight: dict[str, _Route] = field(default_factory=dict)
-    _streams: dict[str, asyncio.Queue] = field(default_factory=dict)  # worker request id -> its chunks
+    # worker request id -> (the decode worker holding it, its chunks): a worker's chunks for an id it no
+    # longer holds (a reservation handed back) never reach the attempt running elsewhere under that id.
+    _streams: dict[str, tuple[WorkerHandle, asyncio.Queue]] = field(default_factory=dict)
     migrations: int = 0
     # (monotonic time, TTFT s, queue s) of recent first tokens, and requests waiting for KV room:
     # the autoscaler's signals.
@@ -187,17 +189,17 @@ class Router:
             outputs = worker.actor.outputs.remote()
             async for ref in outputs:
                 chunks = await ref
-                # Steps that piled up while this loop was busy go out together: every request's queue gets
-                # them before its consumer wakes, which then sends the backlog as one message.
-                while outputs.next_ready():
-                    try:
+                try:
+                    # Steps that piled up while this loop was busy go out together: every request's queue
+                    # gets them before its consumer wakes, which then sends the backlog as one message.
+                    for _ in range(_MAX_STEPS_PER_ROUND):
+                        if not outputs.next_ready():
+                            break
                         chunks += await next(outputs)
-                    except StopIteration:
-                        break
-                for chunk in chunks:
-                    stream = self._streams.get(chunk.request_id)
-                    if stream is not None:
-                        stream.put_nowait(chunk)
+                except StopIteration:
+                    pass
+                finally:  # also when the worker died while draining: what it sent before is delivered
+                    self._deliver(worker, chunks)
             error = "its output stream ended"
         except Exception as failure:  # the actor died or was stopped
             error = f"{type(failure).__name__}: {failure}"
@@ -207,7 +209,13 @@ class Router:
         for route in list(self.in_flight.values()):
             stream = self._streams.get(route.worker_request_id)
             if route.decode is worker and stream is not None:
-                stream.put_nowait(WorkerLost(worker, error))
+                stream[1].put_nowait(WorkerLost(worker, error))
+
+    def _deliver(self, worker: WorkerHandle, chunks: list[TokenChunk]) -> None:
+        for chunk in chunks:
+            holder, stream = self._streams.get(chunk.request_id, (None, None))
+            if holder is worker:
+                stream.put_nowait(chunk)
 
     async def generate(self, request: ValidatedRequest) -> AsyncIterator[StreamItem]:
         """Streams a request's output; the last item carries `final`. Raises OverloadedError at once
@@ -404,8 +412,10 @@ class Router:
         this stream was behind (a busy router) leave as one, so a backlog costs one message, not one per
         step, and a chunk waits until it holds `stream_interval` tokens (or ends the request). Requests with
         stop strings are not coalesced: the router may end them on a token in the middle of a chunk."""
-        stream = self._streams[route.worker_request_id]
-        wanted = self.config.stream_interval
+        stream = self._streams[route.worker_request_id][1]
+        # The first chunk is never held back: it is the first token (colocated), or the one that tells the
+        # router the KV arrived (disaggregated), which frees the prefill worker's blocks.
+        wanted = 1
         pending = None
         while True:
             chunk, pending = (pending if pending is not None else await stream.get()), None
@@ -426,6 +436,7 @@ class Router:
             yield chunk
             if chunk.finish_reason is not None:
                 return
+            wanted = self.config.stream_interval
 
     async def _alive(self, worker: WorkerHandle, timeout_s: float = 5.0) -> bool:
         try:
@@ -476,7 +487,7 @@ class Router:
             if worker is not None:
                 worker.in_flight += 1
         route = self.in_flight[request_id] = _Route(wid, prefill, decode, prefill_released=prefill is None)
-        self._streams[wid] = asyncio.Queue()  # before any call that could make the worker emit
+        self._streams[wid] = (decode, asyncio.Queue())  # before any call that could make the worker emit
         return route
 
     def _fire(self, awaitable) -> None:
@@ -490,6 +501,9 @@ class Router:
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+_MAX_STEPS_PER_ROUND = 16  # a pump round hands out at most this many waiting steps, then lets consumers run
 
 
 def _open_chunk(chunk) -> bool:

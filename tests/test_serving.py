@@ -73,7 +73,7 @@ def test_tokens_queued_behind_a_stalled_router_leave_in_one_message_unchanged(di
                                                      max_tokens=32, temperature=0)):
             responses.append(response)
             if len(responses) == 2:  # decoding: the router's loop stalls while the decode worker goes on
-                harness.loop.call_soon_threadsafe(time.sleep, 1.0)
+                harness.loop.call_soon_threadsafe(time.sleep, 1.5)
     assert [t for r in responses for t in r.token_ids] == expected[question].token_ids
     assert "".join(r.text for r in responses) == expected[question].text
     assert max(len(r.token_ids) for r in responses) > 4  # the backlog left together, not one message per step
@@ -164,19 +164,24 @@ def test_two_by_two_spreads_load_and_completes_64_streams(harness, expected):
         system.stop()
 
 
-def test_stream_interval_sends_decode_tokens_in_groups_and_changes_nothing_else(harness, expected):
-    system = harness.start(transport="ray", stream_interval=4)
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_stream_interval_sends_decode_tokens_in_groups_and_changes_nothing_else(harness, expected, mode):
+    system = harness.start(mode=mode, stream_interval=4)
     try:
         question = QUESTIONS[1]  # 32 tokens, no stop strings
         with system.client() as client:
             responses = list(client.stream(client.request(messages=[{"role": "user", "content": question}],
                                                           max_tokens=32, temperature=0)))
         sizes = [len(r.token_ids) for r in responses]
-        assert sizes[0] == 1  # the prefill's first token is not held back
-        assert all(size >= 4 for size in sizes[1:-1]) and sum(sizes) == 32, sizes
+        # Not held back: the first token (colocated); the prefill's token and the first decode chunk, which
+        # acknowledges the KV (disaggregated).
+        held_from = 2 if mode == "disaggregated" else 1
+        assert max(sizes[:held_from]) < 4, sizes
+        assert all(size >= 4 for size in sizes[held_from:-1]) and sum(sizes) == 32, sizes
         assert [t for r in responses for t in r.token_ids] == expected[question].token_ids
         assert "".join(r.text for r in responses) == expected[question].text
         assert responses[-1].usage.completion_tokens == 32
+        assert all(w.kv_blocks_free == w.kv_blocks_total for w in system.wait_idle().workers)
     finally:
         system.stop()
 
