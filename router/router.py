@@ -206,10 +206,9 @@ class Router:
         if worker.state != "stopping":
             log.warning("decode worker %s is gone (%s); failing its requests", worker.worker_id, error)
         worker.state = "dead"
-        for route in list(self.in_flight.values()):
-            stream = self._streams.get(route.worker_request_id)
-            if route.decode is worker and stream is not None:
-                stream[1].put_nowait(WorkerLost(worker, error))
+        for holder, stream in list(self._streams.values()):
+            if holder is worker:
+                stream.put_nowait(WorkerLost(worker, error))
 
     def _deliver(self, worker: WorkerHandle, chunks: list[TokenChunk]) -> None:
         for chunk in chunks:
@@ -420,7 +419,7 @@ class Router:
         while True:
             chunk, pending = (pending if pending is not None else await stream.get()), None
             while coalesce and _open_chunk(chunk) and (len(chunk.token_ids) < wanted or not stream.empty()):
-                following = stream.get_nowait() if not stream.empty() else await stream.get()
+                following = await stream.get()  # at once when one is queued
                 if not isinstance(following, TokenChunk) or following.error is not None:
                     pending = following  # handled on its own, next
                     break
