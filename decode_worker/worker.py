@@ -6,8 +6,10 @@ A disaggregated request arrives in three calls from the router, in this order:
 The KV may become ready before or after `admit`; either way the request joins the batch at the next
 step once both have happened. Ready KV that nobody claims within the reservation's deadline is freed.
 In colocated mode `admit_colocated` runs the whole request here. Tokens of every request leave through
-one stream, `outputs`, that the router subscribes to once: one Ray item per engine step, not one per
-request per step. Everything touching the engine runs on its loop thread.
+one gRPC server stream that the router subscribes to once (`output_address` says where): one message
+per engine step, not one per request per step. It is not a Ray streaming generator: those cost the
+router about twice the CPU per item (docs/benchmarks.md). Everything touching the engine runs on its
+loop thread.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
+import msgpack
+
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.telemetry import gpu_stats, rss_bytes
-from engine.worker_messages import TokenChunk, WorkerInfo, WorkerLoad
+from engine.worker_messages import (OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, WorkerInfo, WorkerLoad,
+                                    encode_chunks)
 from engine.worker_runtime import node_ip_address, node_name, start_engine
 from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
@@ -57,6 +62,9 @@ class DecodeWorker:
         self._timeouts_s: dict[str, float] = {}
         self._kv_ready_wall_s: dict[str, float] = {}  # reported once, on the request's first chunk
         self._served = 0
+        self._kv_host = kv_host  # the output stream binds where the KV receiver would
+        self._output_server = None  # grpc.aio.Server, started on the actor's event loop by output_address
+        self._output_port = 0
         self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output)
         self.loop.expecting_events = lambda: self.receiver.reservations.num_reserved_requests > 0
 
@@ -65,14 +73,9 @@ class DecodeWorker:
                           self.engine.model_config.max_context_tokens, self.engine.model_config.vocab_size)
 
     def _kv_address(self) -> Optional[str]:
-        """Where senders reach our KV receiver: a wildcard bind is advertised as this node's address."""
+        """Where senders reach our KV receiver."""
         address = self.receiver.address
-        if address is None:
-            return None
-        host, _, port = address.rpartition(":")
-        if host in ("0.0.0.0", "[::]", "::"):
-            host = node_ip_address()
-        return f"{host}:{port}"
+        return None if address is None else _reachable(address)
 
     # -- disaggregated path --------------------------------------------------------------------
 
@@ -103,15 +106,32 @@ class DecodeWorker:
 
     # -- both ----------------------------------------------------------------------------------
 
-    async def outputs(self) -> AsyncIterator[list[TokenChunk]]:
-        """The router's one subscription (a Ray streaming generator): each item is one engine step's
-        chunks for all its requests, plus errors and aborts. A request ends with a chunk that has a
-        finish reason or an error."""
+    async def output_address(self) -> str:
+        """Where the router subscribes to this worker's tokens (the server starts on the first call)."""
+        if self._output_server is None:
+            import grpc
+
+            server = grpc.aio.server()
+            handler = grpc.unary_stream_rpc_method_handler(self._serve_outputs)  # bytes in and out
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(OUTPUT_STREAM_SERVICE, {"Subscribe": handler}),))
+            self._output_port = server.add_insecure_port(f"{self._kv_host}:0")
+            if self._output_port == 0:
+                raise OSError(f"decode worker {self.worker_id} could not bind its output stream on {self._kv_host}")
+            await server.start()
+            self._output_server = server
+        return _reachable(f"{self._kv_host}:{self._output_port}")
+
+    async def _serve_outputs(self, request: bytes, context) -> AsyncIterator[bytes]:
+        """The router's subscription: a hello once the channel is open (nothing is lost after it), then
+        each engine step's chunks for all its requests, errors and aborts included. A request ends with
+        a chunk that has a finish reason or an error. A new subscription replaces the previous one."""
         channel = self.loop.open_channel()
+        yield msgpack.packb([OUTPUT_STREAM_VERSION, self.worker_id])
         while True:
             batch = await channel.get()
-            yield [item if isinstance(item, TokenChunk) else TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
-                   for request_id, item in batch]
+            yield encode_chunks([item if isinstance(item, TokenChunk) else
+                                 TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
+                                 for request_id, item in batch])
 
     async def abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda: self._abort(request_id))
@@ -175,3 +195,11 @@ class DecodeWorker:
         return WorkerLoad(self.worker_id, len(scheduler.running), len(scheduler.waiting) + len(self._awaiting),
                           self.engine.allocator.num_free_blocks, self.engine.allocator.num_blocks,
                           self._served, self.loop.max_batch_size_seen, self.loop.decode_steps, self.loop.decode_steps_s)
+
+
+def _reachable(address: str) -> str:
+    """A bound host:port as others reach it: a wildcard bind is advertised as this node's address."""
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::"):
+        host = node_ip_address()
+    return f"{host}:{port}"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import operator
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Sequence
+
+import msgpack
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,25 @@ class TokenChunk:
     kv_ready_wall_s: Optional[float] = None  # time.time() the KV became ready (first chunk, disaggregated)
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+
+
+# A decode worker's token stream to the router: the gRPC server-streaming method below, one message per
+# engine step with every request's chunk (msgpack lists of TokenChunk's fields, in field order), after a
+# first message that says the subscription is in place: [OUTPUT_STREAM_VERSION, worker id].
+OUTPUT_STREAM_SERVICE = "pdserve.internal.v1.DecodeOutputs"
+OUTPUT_STREAM_METHOD = f"/{OUTPUT_STREAM_SERVICE}/Subscribe"
+OUTPUT_STREAM_VERSION = 1
+
+
+_chunk_fields = operator.attrgetter(*(f.name for f in fields(TokenChunk)))
+
+
+def encode_chunks(chunks: Sequence[TokenChunk]) -> bytes:
+    return msgpack.packb([_chunk_fields(chunk) for chunk in chunks])
+
+
+def decode_chunks(data: bytes) -> list[TokenChunk]:
+    return [TokenChunk(request_id, tuple(token_ids), *rest) for request_id, token_ids, *rest in msgpack.unpackb(data)]
 
 
 @dataclass(frozen=True)

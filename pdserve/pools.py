@@ -90,10 +90,9 @@ class PoolManager:
                 f"{role}: {count} new worker(s) were not ready within {self.config.worker_start_timeout_s:.0f} s "
                 f"(each needs {options}; free on the cluster now: {_free_summary(ray.available_resources())})") from None
         handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
+        if role != "prefill":  # subscribed to their tokens before any request can be routed to them
+            await asyncio.gather(*(self.router.watch(handle) for handle in handles))
         self._pool(role).workers.extend(handles)
-        if role != "prefill":
-            for handle in handles:
-                self.router.watch(handle)
         log.info("%s pool: %d worker(s) joined: %s", role, count, ", ".join(h.worker_id for h in handles))
         return handles
 
@@ -162,6 +161,7 @@ class PoolManager:
                 for worker, answer in zip(ready, answers):
                     if isinstance(answer, BaseException) and is_actor_death(answer):
                         worker.state = "dead"
+                        self.router.unwatch(worker)  # its requests fail over now, not at a keepalive timeout
                 for worker in [w for w in pool.workers if w.state == "dead"]:
                     pool.workers.remove(worker)
                     self.replaced.append(worker.worker_id)

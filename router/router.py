@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
+import grpc
+import msgpack
+
 from engine.block_manager import OutOfBlocksError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from engine.worker_messages import PrefillResult, TokenChunk
+from engine.worker_messages import (OUTPUT_STREAM_METHOD, OUTPUT_STREAM_VERSION, PrefillResult, TokenChunk,
+                                    decode_chunks)
 from router.metrics import RouterMetrics
 from router.overload import AdmissionLimits, OverloadedError
 from router.pool import NoWorkerError, WorkerHandle, WorkerPool
@@ -162,6 +168,7 @@ class Router:
     # worker request id -> (the decode worker holding it, its chunks): a worker's chunks for an id it no
     # longer holds (a reservation handed back) never reach the attempt running elsewhere under that id.
     _streams: dict[str, tuple[WorkerHandle, asyncio.Queue]] = field(default_factory=dict)
+    _subscriptions: dict[str, "_Subscription"] = field(default_factory=dict)  # decode worker id -> its token stream
     migrations: int = 0
     # (monotonic time, TTFT s, queue s) of recent first tokens, and requests waiting for KV room:
     # the autoscaler's signals.
@@ -177,32 +184,36 @@ class Router:
         values = sorted(sample[1] for sample in samples if now_s - sample[0] <= window_s)
         return values[len(values) // 2] if values else None
 
-    def watch(self, worker: WorkerHandle) -> None:
-        """Subscribes to a decode worker's output stream (on the router's event loop)."""
-        task = asyncio.get_running_loop().create_task(self._pump(worker))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _pump(self, worker: WorkerHandle) -> None:
-        """Fans one decode worker's per-step batches out to the requests' queues."""
+    async def watch(self, worker: WorkerHandle, timeout_s: float = 30.0) -> None:
+        """Subscribes to a decode worker's token stream; returns once the subscription is in place, so
+        nothing the worker emits for requests routed to it after this is lost."""
+        address = await worker.actor.output_address.remote()
+        subscription = _Subscription(worker, address, self, asyncio.get_running_loop())
+        self._subscriptions[worker.worker_id] = subscription
         try:
-            outputs = worker.actor.outputs.remote()
-            async for ref in outputs:
-                chunks = await ref
-                try:
-                    # Steps that piled up while this loop was busy go out together: every request's queue
-                    # gets them before its consumer wakes, which then sends the backlog as one message.
-                    for _ in range(_MAX_STEPS_PER_ROUND):
-                        if not outputs.next_ready():
-                            break
-                        chunks += await next(outputs)
-                except StopIteration:
-                    pass
-                finally:  # also when the worker died while draining: what it sent before is delivered
-                    self._deliver(worker, chunks)
-            error = "its output stream ended"
-        except Exception as failure:  # the actor died or was stopped
-            error = f"{type(failure).__name__}: {failure}"
+            await asyncio.wait_for(asyncio.wrap_future(subscription.started), timeout_s)
+        except BaseException:
+            subscription.cancel()
+            raise
+
+    def unwatch(self, worker: WorkerHandle) -> None:
+        """Ends the subscription to a worker found dead elsewhere: its requests fail over at once."""
+        subscription = self._subscriptions.get(worker.worker_id)
+        if subscription is not None:
+            subscription.cancel()
+
+    def _take(self, subscription: "_Subscription") -> None:
+        """On the loop: hands out every chunk the subscription's reader thread collected since the last
+        call. After a stall (a busy loop) that is several steps, which each request then sends as one
+        message."""
+        self._deliver(subscription.worker, subscription.take())
+
+    def _lost(self, subscription: "_Subscription", error: str) -> None:
+        """On the loop: the worker's stream ended (it died, was stopped, or was found dead)."""
+        worker = subscription.worker
+        if self._subscriptions.get(worker.worker_id) is subscription:
+            del self._subscriptions[worker.worker_id]
+        self._take(subscription)  # what it sent before is delivered
         if worker.state != "stopping":
             log.warning("decode worker %s is gone (%s); failing its requests", worker.worker_id, error)
         worker.state = "dead"
@@ -502,7 +513,64 @@ class Router:
         task.add_done_callback(self._background.discard)
 
 
-_MAX_STEPS_PER_ROUND = 16  # a pump round hands out at most this many waiting steps, then lets consumers run
+# The router notices a worker that vanished without closing its connection (a node lost) by keepalive.
+_OUTPUT_CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+
+
+class _Subscription:
+    """One decode worker's token stream, read by a thread of its own (a blocking gRPC stream), so that
+    steps keep arriving while the router's loop is busy and a stalled loop then takes them all at once.
+    (Read on the loop with grpc.aio, each step would be handed out before the next is read.)"""
+
+    def __init__(self, worker: WorkerHandle, address: str, router: "Router", loop: asyncio.AbstractEventLoop):
+        self.worker = worker
+        self.started: concurrent.futures.Future = concurrent.futures.Future()  # set once the worker's hello came
+        self._router = router
+        self._loop = loop
+        self._pending: list[TokenChunk] = []
+        self._lock = threading.Lock()
+        self._channel = grpc.insecure_channel(address, options=_OUTPUT_CHANNEL_OPTIONS)
+        self._call = self._channel.unary_stream(OUTPUT_STREAM_METHOD)(b"")
+        threading.Thread(target=self._read, name=f"tokens-{worker.worker_id}", daemon=True).start()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def take(self) -> list[TokenChunk]:
+        with self._lock:
+            chunks, self._pending = self._pending, []
+        return chunks
+
+    def _read(self) -> None:
+        try:
+            for index, data in enumerate(self._call):
+                if index == 0:
+                    self._check_hello(data)
+                    continue
+                chunks = decode_chunks(data)
+                with self._lock:
+                    wake = not self._pending  # else a `_take` is already on its way
+                    self._pending.extend(chunks)
+                if wake:
+                    self._loop.call_soon_threadsafe(self._router._take, self)
+            error = "its output stream ended"
+        except Exception as failure:
+            error = failure.details() if isinstance(failure, grpc.RpcError) else f"{type(failure).__name__}: {failure}"
+        finally:
+            self._channel.close()
+        if not self.started.done():
+            self.started.set_exception(WorkerError(f"decode worker {self.worker.worker_id}: no token stream ({error})"))
+        try:
+            self._loop.call_soon_threadsafe(self._router._lost, self, error)
+        except RuntimeError:  # the router's loop is closed: the system has stopped
+            pass
+
+    def _check_hello(self, data: bytes) -> None:
+        version, worker_id = msgpack.unpackb(data)
+        if version != OUTPUT_STREAM_VERSION or worker_id != self.worker.worker_id:
+            raise WorkerError(f"the token stream of {self.worker.worker_id} answered as {worker_id} with "
+                              f"version {version}, not {OUTPUT_STREAM_VERSION}")
+        self.started.set_result(None)
 
 
 def _open_chunk(chunk) -> bool:

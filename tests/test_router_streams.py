@@ -1,13 +1,21 @@
 """How the router hands a decode worker's chunks to a request's stream, without Ray: only the worker
-holding the request feeds it; a backlog leaves as one chunk; `stream_interval` groups decode tokens."""
+holding the request feeds it; a backlog leaves as one chunk; `stream_interval` groups decode tokens; the
+token stream's wire format and subscription (a real gRPC server standing in for the worker's)."""
 
 import asyncio
+import queue
+import time
+from concurrent import futures
+from types import SimpleNamespace
 
+import grpc
+import msgpack
 import pytest
 
-from engine.worker_messages import TokenChunk, WorkerInfo
+from engine.worker_messages import (OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, WorkerInfo, decode_chunks,
+                                    encode_chunks)
 from router.pool import WorkerHandle, WorkerPool
-from router.router import Router, RouterConfig, WorkerLost
+from router.router import Router, RouterConfig, WorkerError, WorkerLost
 
 
 def _router(stream_interval: int = 1) -> Router:
@@ -93,3 +101,77 @@ def test_a_worker_lost_mid_interval_still_hands_over_the_tokens_held_back_first(
 def test_a_stream_interval_below_one_is_refused():
     with pytest.raises(ValueError, match="stream_interval"):
         RouterConfig("disaggregated", stream_interval=0)
+
+
+def test_token_chunks_cross_the_wire_with_every_field():
+    chunks = [TokenChunk("a", (1, 2), "stop", None, 1.5, 12, 4), TokenChunk("b", (), None, "KV transfer failed: x"),
+              TokenChunk("c", (3,))]
+    assert decode_chunks(encode_chunks(chunks)) == chunks
+
+
+class _TokenServer:
+    """A stand-in for a decode worker's output stream: sends the hello it is given, then what the test
+    puts on `steps` (bytes of encoded chunks; None ends the stream)."""
+
+    def __init__(self, hello: list):
+        self.steps: queue.Queue = queue.Queue()
+
+        def subscribe(request, context):
+            yield msgpack.packb(hello)
+            while (step := self.steps.get()) is not None:
+                yield step
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(2))
+        handler = grpc.unary_stream_rpc_method_handler(subscribe)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(OUTPUT_STREAM_SERVICE, {"Subscribe": handler}),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def worker(self, worker_id: str) -> WorkerHandle:
+        async def output_address():
+            return self.address
+
+        actor = SimpleNamespace(output_address=SimpleNamespace(remote=output_address))
+        return WorkerHandle(actor=actor, info=WorkerInfo(worker_id, "decode", "node", None, 64, 2048, 100))
+
+
+def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_then_the_end_fails_requests():
+    server = _TokenServer([OUTPUT_STREAM_VERSION, "decode-0"])
+
+    async def run():
+        router = _router()
+        worker = server.worker("decode-0")
+        await router.watch(worker)
+        route = router._track("req", "req", None, worker)
+        received = []
+
+        async def consume():
+            async for chunk in router._chunks(route):
+                received.append(chunk.token_ids)
+
+        consumer = asyncio.get_running_loop().create_task(consume())
+        server.steps.put(encode_chunks([TokenChunk("req", (1,))]))
+        while not received:
+            await asyncio.sleep(0.01)
+        for token in range(2, 6):
+            server.steps.put(encode_chunks([TokenChunk("req", (token,))]))
+        time.sleep(1.0)  # the loop is stalled; the subscription's reader goes on
+        await asyncio.sleep(0.2)
+        server.steps.put(None)  # the worker goes away
+        with pytest.raises(WorkerLost, match="decode-0"):
+            await asyncio.wait_for(consumer, 10)
+        return received, worker.state
+
+    try:
+        assert asyncio.run(run()) == ([(1,), (2, 3, 4, 5)], "dead")
+    finally:
+        server.server.stop(None)
+
+
+def test_a_token_stream_that_answers_for_another_worker_is_refused():
+    server = _TokenServer([OUTPUT_STREAM_VERSION, "decode-7"])
+    try:
+        with pytest.raises(WorkerError, match="decode-7"):
+            asyncio.run(_router().watch(server.worker("decode-0")))
+    finally:
+        server.server.stop(None)
