@@ -58,7 +58,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             try:  # past the client's deadline gRPC cancels this handler; closing the stream aborts the workers
                 async with contextlib.aclosing(self.router.generate(validated)) as stream:
                     async for item in stream:
-                        yield _response(validated.request_id, item)
+                        response = _response(validated.request_id, item)
+                        await self.router.writes_released()
+                        yield response
             except grpc.aio.AbortError:
                 raise
             except Exception as error:  # a Ray actor died or similar: the client gets a status, never a hang

@@ -101,7 +101,7 @@ class HttpFrontend:
                     raise _api_error(error, validated.request_id) from error
                 if not parsed.stream:
                     return await _whole(stream, first, shape, validated.request_id)
-                return await _event_stream(request, stream, first, shape, validated.request_id)
+                return await _event_stream(request, stream, first, shape, validated.request_id, self.router)
 
     async def _parse(self, request: web.Request, chat: bool, request_id: str) -> tuple[ParsedRequest, ValidatedRequest]:
         if request.content_type != "application/json":
@@ -170,7 +170,8 @@ async def _whole(stream, first: StreamItem, shape: ResponseShape, request_id: st
     return web.json_response(shape.full("".join(text), item.final))
 
 
-async def _event_stream(request: web.Request, stream, first: StreamItem, shape: ResponseShape, request_id: str) -> web.StreamResponse:
+async def _event_stream(request: web.Request, stream, first: StreamItem, shape: ResponseShape, request_id: str,
+                        router: Router) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": request_id})
     await response.prepare(request)
@@ -178,7 +179,9 @@ async def _event_stream(request: web.Request, stream, first: StreamItem, shape: 
     try:
         while True:
             if item.text or item.final is not None or opening:
-                await response.write(sse(shape.chunk(item.text, item.final, first=opening)))
+                event = sse(shape.chunk(item.text, item.final, first=opening))
+                await router.writes_released()
+                await response.write(event)
                 opening = False
             if item.final is not None:
                 if shape.parsed.include_usage:

@@ -175,3 +175,30 @@ def test_a_token_stream_that_answers_for_another_worker_is_refused():
             asyncio.run(_router().watch(server.worker("decode-0")))
     finally:
         server.server.stop(None)
+
+
+def test_a_steps_messages_are_all_prepared_before_the_first_is_written():
+    server = _TokenServer([OUTPUT_STREAM_VERSION, "decode-0"])
+
+    async def run():
+        router = _router()
+        worker = server.worker("decode-0")
+        await router.watch(worker)
+        log = []
+
+        async def consume(request_id: str):  # what a frontend does per message
+            async for chunk in router._chunks(router._track(request_id, request_id, None, worker)):
+                log.append(("prepared", request_id))
+                await router.writes_released()
+                log.append(("written", request_id))
+
+        consumers = [asyncio.get_running_loop().create_task(consume(r)) for r in "abc"]
+        await asyncio.sleep(0.1)
+        server.steps.put(encode_chunks([TokenChunk(r, (1,), finish_reason="length") for r in "abc"]))
+        await asyncio.wait_for(asyncio.gather(*consumers), 10)
+        return log
+
+    try:
+        assert asyncio.run(run()) == [("prepared", r) for r in "abc"] + [("written", r) for r in "abc"]
+    finally:
+        server.server.stop(None)
