@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Optional
 
 from router.pool import WorkerStartError
@@ -148,14 +149,17 @@ class PoolManager:
 
     async def heal(self, interval_s: float = 2.0) -> None:
         """Forever: finds workers that died (the router marks those it sees die; a cheap `load` call
-        finds idle ones) and replaces each with a fresh worker of its role."""
+        finds idle ones) and replaces each with a fresh worker of its role. A worker heard from within
+        the interval (a call answered, tokens streamed) is not asked: each Ray call costs the router
+        about 1 ms of CPU here, and a busy decode worker's token stream breaks at once if it dies."""
         from router.router import is_actor_death
 
         while True:
             await asyncio.sleep(interval_s)
             for role in ("prefill", self.decode_role):
                 pool = self._pool(role)
-                ready = pool.ready()
+                now = time.monotonic()
+                ready = [w for w in pool.ready() if now - w.last_heard_s > interval_s]
                 answers = await asyncio.gather(*(asyncio.wait_for(w.actor.load.remote(), 10) for w in ready),
                                                return_exceptions=True)
                 for worker, answer in zip(ready, answers):

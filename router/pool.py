@@ -16,6 +16,7 @@ class WorkerHandle:
     in_flight: int = 0  # requests this router has routed here and not seen finish
     state: str = "ready"  # "ready", "draining", "stopping" or "dead"
     kv_blocks_free: Optional[int] = None  # refreshed from the worker's load reports
+    last_heard_s: float = 0.0  # time.monotonic() of its last sign of life: a call answered, a step of tokens
 
     @property
     def worker_id(self) -> str:

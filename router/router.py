@@ -167,7 +167,7 @@ class Router:
     in_flight: dict[str, _Route] = field(default_factory=dict)
     # worker request id -> (the decode worker holding it, its chunks): a worker's chunks for an id it no
     # longer holds (a reservation handed back) never reach the attempt running elsewhere under that id.
-    _streams: dict[str, tuple[WorkerHandle, asyncio.Queue]] = field(default_factory=dict)
+    _streams: dict[str, tuple[WorkerHandle, "_Inbox"]] = field(default_factory=dict)
     _subscriptions: dict[str, "_Subscription"] = field(default_factory=dict)  # decode worker id -> its token stream
     _write_gate: Optional[asyncio.Future] = None  # see `_take`
     migrations: int = 0
@@ -207,6 +207,7 @@ class Router:
         """On the loop: hands out every chunk the subscription's reader thread collected since the last
         call. After a stall (a busy loop) that is several steps, which each request then sends as one
         message."""
+        subscription.worker.last_heard_s = time.monotonic()
         self._deliver(subscription.worker, subscription.take())
         # The requests' consumers woken above run before this gate opens: each does its Python work
         # (detokenizing, metrics, the response) and waits in `writes_released`, then the step's writes
@@ -425,11 +426,13 @@ class Router:
     async def _call(self, worker: WorkerHandle, call):
         """Awaits a worker call; the worker's death becomes WorkerLost (the request migrates)."""
         try:
-            return await call
+            result = await call
         except Exception as error:
             if is_actor_death(error):
                 raise WorkerLost(worker, type(error).__name__) from error
             raise
+        worker.last_heard_s = time.monotonic()
+        return result
 
     async def _chunks(self, route: _Route, coalesce: bool = True) -> AsyncIterator[TokenChunk]:
         """A request's chunks as its decode worker sent them; with `coalesce`, chunks that queued up while
@@ -511,7 +514,7 @@ class Router:
             if worker is not None:
                 worker.in_flight += 1
         route = self.in_flight[request_id] = _Route(wid, prefill, decode, prefill_released=prefill is None)
-        self._streams[wid] = (decode, asyncio.Queue())  # before any call that could make the worker emit
+        self._streams[wid] = (decode, _Inbox(asyncio.get_running_loop()))  # before any call that could make the worker emit
         return route
 
     def _fire(self, awaitable) -> None:
@@ -525,6 +528,33 @@ class Router:
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class _Inbox:
+    """A request's chunks, queued for its consumer: asyncio.Queue's part that the router uses, minus its
+    cost per message (it looks the running loop up, a getpid system call, for each wait)."""
+
+    __slots__ = ("_items", "_waiter", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: Optional[asyncio.Future] = None
+        self._loop = loop
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get(self):
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        return self._items.popleft()
 
 
 # The router notices a worker that vanished without closing its connection (a node lost) by keepalive.

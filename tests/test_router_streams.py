@@ -27,8 +27,13 @@ def _worker(worker_id: str) -> WorkerHandle:
     return WorkerHandle(actor=None, info=WorkerInfo(worker_id, "decode", "node", None, 64, 2048, 100))
 
 
-def _collect(router: Router, route, coalesce: bool = True) -> list[TokenChunk]:
+def _collect(router: Router, holder: WorkerHandle, deliveries, coalesce: bool = True) -> list[TokenChunk]:
+    """On a loop, as in the router: track a request held by `holder`, deliver (worker, chunks) pairs, and
+    collect what its consumer gets."""
     async def run():
+        route = router._track("req", "req", None, holder)
+        for worker, chunks in deliveries:
+            router._deliver(worker, chunks)
         return [chunk async for chunk in router._chunks(route, coalesce)]
 
     return asyncio.run(run())
@@ -37,11 +42,9 @@ def _collect(router: Router, route, coalesce: bool = True) -> list[TokenChunk]:
 def test_chunks_from_a_worker_that_no_longer_holds_the_request_are_dropped():
     router = _router()
     handed_back, holder = _worker("decode-0"), _worker("decode-1")
-    route = router._track("req", "req", None, holder)
     # decode-0 had a reservation under the same id, handed back: its abort notice must not end the request
-    router._deliver(handed_back, [TokenChunk("req", (), finish_reason="abort")])
-    router._deliver(holder, [TokenChunk("req", (7,)), TokenChunk("req", (8,), finish_reason="length")])
-    chunks = _collect(router, route)
+    chunks = _collect(router, holder, [(handed_back, [TokenChunk("req", (), finish_reason="abort")]),
+                                       (holder, [TokenChunk("req", (7,)), TokenChunk("req", (8,), finish_reason="length")])])
     assert [c.token_ids for c in chunks] == [(7, 8)] and chunks[-1].finish_reason == "length"
 
 
@@ -49,10 +52,8 @@ def test_a_backlog_leaves_as_one_chunk_but_not_for_requests_with_stop_strings():
     for coalesce, expected in ((True, [(1, 2, 3)]), (False, [(1,), (2,), (3,)])):
         router = _router()
         worker = _worker("decode-0")
-        route = router._track("req", "req", None, worker)
-        router._deliver(worker, [TokenChunk("req", (1,), kv_ready_wall_s=5.0), TokenChunk("req", (2,)),
-                                 TokenChunk("req", (3,), finish_reason="stop")])
-        chunks = _collect(router, route, coalesce)
+        chunks = _collect(router, worker, [(worker, [TokenChunk("req", (1,), kv_ready_wall_s=5.0), TokenChunk("req", (2,)),
+                                                     TokenChunk("req", (3,), finish_reason="stop")])], coalesce)
         assert [c.token_ids for c in chunks] == expected
         assert chunks[0].kv_ready_wall_s == 5.0 and chunks[-1].finish_reason == "stop"
 
