@@ -50,11 +50,12 @@ class _Ready:  # the KV is ready; generate() has not been called yet
 
 
 class DecodeWorker:
-    def __init__(self, worker_id: str, config: EngineConfig, transport: str, kv_host: str = "127.0.0.1",
+    def __init__(self, worker_id: str, config: EngineConfig, transport: str, kv_host: Optional[str] = "127.0.0.1",
                  role: str = "decode"):
         self.worker_id = worker_id
         self.role = role
         self.engine = start_engine(config)
+        kv_host = kv_host or node_ip_address()  # None: this node's address (on a cluster)
         receiver_options = {"host": kv_host, "port": 0} if transport == "grpc" else {}
         self.receiver = create_receiver(transport, self.engine.kv_cache, self.engine.allocator, **receiver_options)
         self._awaiting: dict[str, _Awaiting] = {}
@@ -62,7 +63,7 @@ class DecodeWorker:
         self._timeouts_s: dict[str, float] = {}
         self._kv_ready_wall_s: dict[str, float] = {}  # reported once, on the request's first chunk
         self._served = 0
-        self._kv_host = kv_host  # the output stream binds where the KV receiver would
+        self._kv_host = kv_host  # the token stream binds where the KV receiver does
         self._output_server = None  # grpc.aio.Server, started on the actor's event loop by output_address
         self._output_port = 0
         self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output)

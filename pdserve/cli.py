@@ -59,7 +59,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default="local", help="'local' starts Ray here; 'auto' or host:port joins a cluster")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--kv-host", default="127.0.0.1", help="address decode workers' gRPC KV receivers bind (grpc transport)")
+    p.add_argument("--kv-host", default="auto", help="address decode workers bind for their token stream to the router and "
+                   "their gRPC KV receiver; auto: 127.0.0.1 on a local node, each worker's node address on a cluster")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--worker-start-timeout-s", type=float, default=300.0,
                    help="give up on new workers not ready by then (no room on the cluster?)")

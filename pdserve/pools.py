@@ -79,7 +79,7 @@ class PoolManager:
                     worker_id, self.engine_config, self.config.transport, self.epoch)
             else:
                 actor = ray.remote(DecodeWorker).options(**options).remote(
-                    worker_id, self.engine_config, self.config.transport, self.config.kv_host, role)
+                    worker_id, self.engine_config, self.config.transport, self.config.worker_bind_host(), role)
             actors.append(actor)
         try:  # ready = engine loaded; on a cluster, the wait includes any nodes its autoscaler adds
             infos = await asyncio.wait_for(asyncio.gather(*(actor.info.remote() for actor in actors)),

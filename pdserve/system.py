@@ -35,7 +35,9 @@ class ServeConfig:
     address: str = "local"  # "local": start a Ray node here; "auto" or host:port: join that cluster
     host: str = "127.0.0.1"
     port: int = 50051
-    kv_host: str = "127.0.0.1"  # where decode workers' gRPC KV receivers bind (grpc transport)
+    # Where decode workers bind their token stream to the router and their gRPC KV receiver: "auto" is
+    # 127.0.0.1 on a local node and each worker's node address on a cluster.
+    kv_host: str = "auto"
     kv_cache_bytes: int = 256 << 20
     block_size_tokens: int = 16
     max_num_seqs: int = 64
@@ -52,6 +54,12 @@ class ServeConfig:
     max_in_flight: int = 1024  # requests the router holds at once; beyond: RESOURCE_EXHAUSTED / 429
     max_waiting_for_kv: int = 256  # of those, queued for KV room on a decode worker
     stream_interval: int = 1  # decode tokens per streamed message (router.router.RouterConfig)
+
+    def worker_bind_host(self) -> Optional[str]:
+        """`kv_host` as decode workers get it: None means their node's address."""
+        if self.kv_host != "auto":
+            return self.kv_host
+        return "127.0.0.1" if self.address == "local" else None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -16,3 +16,11 @@ def test_cluster_yaml_passes_rays_own_validation():
     assert node_types["prefill"]["resources"]["pdserve_prefill"] == 1
     assert node_types["decode"]["resources"]["pdserve_decode"] == 1
     assert config["head_node_type"] == "head"
+
+
+def test_decode_workers_bind_loopback_locally_and_their_node_address_on_a_cluster():
+    from pdserve.system import ServeConfig
+
+    assert ServeConfig().worker_bind_host() == "127.0.0.1"
+    assert ServeConfig(address="auto").worker_bind_host() is None  # each worker resolves its node's address
+    assert ServeConfig(address="auto", kv_host="0.0.0.0").worker_bind_host() == "0.0.0.0"
