@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
@@ -66,6 +67,8 @@ class DecodeWorker:
         self._kv_host = kv_host  # the token stream binds where the KV receiver does
         self._output_server = None  # grpc.aio.Server, started on the actor's event loop by output_address
         self._output_port = 0
+        self._output_secret = secrets.token_hex(16)
+        self._output_channel: Optional[asyncio.Queue] = None  # the current subscription's
         self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output)
         self.loop.expecting_events = lambda: self.receiver.reservations.num_reserved_requests > 0
 
@@ -107,32 +110,51 @@ class DecodeWorker:
 
     # -- both ----------------------------------------------------------------------------------
 
-    async def output_address(self) -> str:
-        """Where the router subscribes to this worker's tokens (the server starts on the first call)."""
+    async def output_address(self) -> tuple[str, str]:
+        """Where the router subscribes to this worker's tokens, and the secret it must present (it
+        travels only through Ray); the server starts on the first call."""
         if self._output_server is None:
             import grpc
 
             server = grpc.aio.server()
             handler = grpc.unary_stream_rpc_method_handler(self._serve_outputs)  # bytes in and out
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(OUTPUT_STREAM_SERVICE, {"Subscribe": handler}),))
-            self._output_port = server.add_insecure_port(f"{self._kv_host}:0")
+            self._output_port = server.add_insecure_port(_host_port(self._kv_host, 0))
             if self._output_port == 0:
-                raise OSError(f"decode worker {self.worker_id} could not bind its output stream on {self._kv_host}")
+                raise OSError(f"decode worker {self.worker_id} could not bind its token stream on {self._kv_host}")
             await server.start()
             self._output_server = server
-        return _reachable(f"{self._kv_host}:{self._output_port}")
+        return _reachable(_host_port(self._kv_host, self._output_port)), self._output_secret
 
     async def _serve_outputs(self, request: bytes, context) -> AsyncIterator[bytes]:
         """The router's subscription: a hello once the channel is open (nothing is lost after it), then
-        each engine step's chunks for all its requests, errors and aborts included. A request ends with
-        a chunk that has a finish reason or an error. A new subscription replaces the previous one."""
-        channel = self.loop.open_channel()
-        yield msgpack.packb([OUTPUT_STREAM_VERSION, self.worker_id])
-        while True:
-            batch = await channel.get()
-            yield encode_chunks([item if isinstance(item, TokenChunk) else
-                                 TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
-                                 for request_id, item in batch])
+        each engine step's chunks for all its requests, errors and aborts included, and an empty
+        message after each second without any (the router hears the worker is alive). A request ends
+        with a chunk that has a finish reason or an error. A new subscription ends the previous one,
+        whose router then fails its requests over rather than wait on a stream nobody feeds."""
+        import grpc
+
+        if dict(context.invocation_metadata() or ()).get("authorization") != self._output_secret:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this token stream is the router's")
+        if self._output_channel is not None:
+            self._output_channel.put_nowait(None)
+        channel = self._output_channel = self.loop.open_channel()
+        try:
+            yield msgpack.packb([OUTPUT_STREAM_VERSION, self.worker_id])
+            while True:
+                try:
+                    batch = await asyncio.wait_for(channel.get(), _HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    batch = []
+                if batch is None:
+                    return
+                yield encode_chunks([item if isinstance(item, TokenChunk) else
+                                     TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
+                                     for request_id, item in batch])
+        finally:  # the router went away, cancelled the call, or a new subscription replaced this one
+            self.loop.close_channel(channel)
+            if self._output_channel is channel:
+                self._output_channel = None
 
     async def abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda: self._abort(request_id))
@@ -198,9 +220,16 @@ class DecodeWorker:
                           self._served, self.loop.max_batch_size_seen, self.loop.decode_steps, self.loop.decode_steps_s)
 
 
+_HEARTBEAT_S = 1.0
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def _reachable(address: str) -> str:
     """A bound host:port as others reach it: a wildcard bind is advertised as this node's address."""
     host, _, port = address.rpartition(":")
     if host in ("0.0.0.0", "[::]", "::"):
         host = node_ip_address()
-    return f"{host}:{port}"
+    return _host_port(host.strip("[]"), int(port))

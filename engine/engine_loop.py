@@ -74,6 +74,12 @@ class EngineLoop:
         self._channel = (asyncio.get_running_loop(), channel)
         return channel
 
+    def close_channel(self, channel: asyncio.Queue) -> None:
+        """Its subscriber went away: items stop piling up in it (unless another channel replaced it)."""
+        current = self._channel
+        if current is not None and current[1] is channel:
+            self._channel = None
+
     def publish(self, request_id: str, item: Any) -> None:
         """Sends an item to a request's listener from the loop thread (outputs, errors, events)."""
         if self._channel is not None:
@@ -108,8 +114,9 @@ class EngineLoop:
                 self._wake.clear()
 
     def _flush_channel(self) -> None:
-        if self._channel is not None and self._channel_batch:
-            loop, channel = self._channel
+        current = self._channel  # read once: another thread may close it meanwhile
+        if current is not None and self._channel_batch:
+            loop, channel = current
             batch, self._channel_batch = self._channel_batch, []
             loop.call_soon_threadsafe(channel.put_nowait, batch)
 

@@ -92,7 +92,14 @@ class PoolManager:
                 f"(each needs {options}; free on the cluster now: {_free_summary(ray.available_resources())})") from None
         handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
         if role != "prefill":  # subscribed to their tokens before any request can be routed to them
-            await asyncio.gather(*(self.router.watch(handle) for handle in handles))
+            watched = await asyncio.gather(*(self.router.watch(handle) for handle in handles), return_exceptions=True)
+            failures = [result for result in watched if isinstance(result, BaseException)]
+            if failures:
+                for handle in handles:
+                    handle.state = "stopping"
+                    self.router.unwatch(handle, "not started")
+                    ray.kill(handle.actor)
+                raise WorkerStartError(f"{role}: could not subscribe to the new workers' tokens: {failures[0]}") from failures[0]
         self._pool(role).workers.extend(handles)
         log.info("%s pool: %d worker(s) joined: %s", role, count, ", ".join(h.worker_id for h in handles))
         return handles
@@ -165,9 +172,13 @@ class PoolManager:
                 for worker, answer in zip(ready, answers):
                     if isinstance(answer, BaseException) and is_actor_death(answer):
                         worker.state = "dead"
-                        self.router.unwatch(worker)  # its requests fail over now, not at a keepalive timeout
                 for worker in [w for w in pool.workers if w.state == "dead"]:
                     pool.workers.remove(worker)
+                    self.router.unwatch(worker, "found dead")  # its requests fail over now
+                    try:  # dead, or alive but cut off from the router: its blocks go with it
+                        ray.kill(worker.actor)
+                    except Exception as error:
+                        log.debug("could not kill %s: %s", worker.worker_id, error)
                     self.replaced.append(worker.worker_id)
                     self._missing[role] = self._missing.get(role, 0) + 1
                     log.warning("%s pool: %s died; starting a replacement", role, worker.worker_id)
@@ -188,6 +199,7 @@ class PoolManager:
         for pool in (self.router.prefill_pool, self.router.decode_pool):
             for worker in pool.workers:
                 worker.state = "stopping"
+                self.router.unwatch(worker, "the system is stopping")
                 ray.kill(worker.actor)
 
 

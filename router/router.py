@@ -188,40 +188,39 @@ class Router:
     async def watch(self, worker: WorkerHandle, timeout_s: float = 30.0) -> None:
         """Subscribes to a decode worker's token stream; returns once the subscription is in place, so
         nothing the worker emits for requests routed to it after this is lost."""
-        address = await worker.actor.output_address.remote()
-        subscription = _Subscription(worker, address, self, asyncio.get_running_loop())
+        address, secret = await worker.actor.output_address.remote()
+        subscription = _Subscription(worker, address, secret, self, asyncio.get_running_loop())
         self._subscriptions[worker.worker_id] = subscription
         try:
             await asyncio.wait_for(asyncio.wrap_future(subscription.started), timeout_s)
         except BaseException:
-            subscription.cancel()
+            subscription.cancel("no token stream")
             raise
 
-    def unwatch(self, worker: WorkerHandle) -> None:
-        """Ends the subscription to a worker found dead elsewhere: its requests fail over at once."""
+    def unwatch(self, worker: WorkerHandle, reason: str) -> None:
+        """Ends the subscription to a worker found dead (or stopped) elsewhere: its requests fail over at once."""
         subscription = self._subscriptions.get(worker.worker_id)
         if subscription is not None:
-            subscription.cancel()
+            subscription.cancel(reason)
 
     def _take(self, subscription: "_Subscription") -> None:
         """On the loop: hands out every chunk the subscription's reader thread collected since the last
         call. After a stall (a busy loop) that is several steps, which each request then sends as one
         message."""
-        subscription.worker.last_heard_s = time.monotonic()
         self._deliver(subscription.worker, subscription.take())
         # The requests' consumers woken above run before this gate opens: each does its Python work
         # (detokenizing, metrics, the response) and waits in `writes_released`, then the step's writes
         # go out back to back, which costs less CPU than writes spaced out by that work.
         loop = asyncio.get_running_loop()
         gate = self._write_gate = loop.create_future()
-        loop.call_soon(gate.set_result, None)
+        loop.call_soon(_open_gate, gate)
 
     async def writes_released(self) -> None:
         """Returns once the consumers of the current step have all prepared their messages (at once
         when no step is being handed out)."""
         gate = self._write_gate
         if gate is not None and not gate.done():
-            await gate
+            await asyncio.shield(gate)  # a consumer cancelled here (its client left) must not cancel the gate
 
     def _lost(self, subscription: "_Subscription", error: str) -> None:
         """On the loop: the worker's stream ended (it died, was stopped, or was found dead)."""
@@ -557,27 +556,34 @@ class _Inbox:
         return self._items.popleft()
 
 
-# The router notices a worker that vanished without closing its connection (a node lost) by keepalive.
-_OUTPUT_CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+def _open_gate(gate: asyncio.Future) -> None:
+    if not gate.done():
+        gate.set_result(None)
 
 
 class _Subscription:
     """One decode worker's token stream, read by a thread of its own (a blocking gRPC stream), so that
     steps keep arriving while the router's loop is busy and a stalled loop then takes them all at once.
-    (Read on the loop with grpc.aio, each step would be handed out before the next is read.)"""
+    (Read on the loop with grpc.aio, each step would be handed out before the next is read.) Every
+    message, the worker's idle heartbeats included, counts as hearing from it (`last_heard_s`): a
+    worker that falls silent is pinged through Ray by the healer, which finds a lost node that way.
+    No gRPC keepalive: its pings, on a stream where the router never sends, trip the server's limits."""
 
-    def __init__(self, worker: WorkerHandle, address: str, router: "Router", loop: asyncio.AbstractEventLoop):
+    def __init__(self, worker: WorkerHandle, address: str, secret: str, router: "Router",
+                 loop: asyncio.AbstractEventLoop):
         self.worker = worker
         self.started: concurrent.futures.Future = concurrent.futures.Future()  # set once the worker's hello came
         self._router = router
         self._loop = loop
         self._pending: list[TokenChunk] = []
         self._lock = threading.Lock()
-        self._channel = grpc.insecure_channel(address, options=_OUTPUT_CHANNEL_OPTIONS)
-        self._call = self._channel.unary_stream(OUTPUT_STREAM_METHOD)(b"")
+        self._cancel_reason: Optional[str] = None
+        self._channel = grpc.insecure_channel(address)
+        self._call = self._channel.unary_stream(OUTPUT_STREAM_METHOD)(b"", metadata=(("authorization", secret),))
         threading.Thread(target=self._read, name=f"tokens-{worker.worker_id}", daemon=True).start()
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str) -> None:
+        self._cancel_reason = reason
         self._call.cancel()
 
     def take(self) -> list[TokenChunk]:
@@ -591,7 +597,10 @@ class _Subscription:
                 if index == 0:
                     self._check_hello(data)
                     continue
+                self.worker.last_heard_s = time.monotonic()
                 chunks = decode_chunks(data)
+                if not chunks:  # a heartbeat
+                    continue
                 with self._lock:
                     wake = not self._pending  # else a `_take` is already on its way
                     self._pending.extend(chunks)
@@ -599,7 +608,12 @@ class _Subscription:
                     self._loop.call_soon_threadsafe(self._router._take, self)
             error = "its output stream ended"
         except Exception as failure:
-            error = failure.details() if isinstance(failure, grpc.RpcError) else f"{type(failure).__name__}: {failure}"
+            if self._cancel_reason is not None:
+                error = self._cancel_reason
+            elif isinstance(failure, grpc.RpcError):
+                error = f"{failure.code().name}: {failure.details()}"
+            else:
+                error = f"{type(failure).__name__}: {failure}"
         finally:
             self._channel.close()
         if not self.started.done():

@@ -118,6 +118,8 @@ class _TokenServer:
         self.steps: queue.Queue = queue.Queue()
 
         def subscribe(request, context):
+            if dict(context.invocation_metadata()).get("authorization") != "s3cret":
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong secret")
             yield msgpack.packb(hello)
             while (step := self.steps.get()) is not None:
                 yield step
@@ -128,9 +130,13 @@ class _TokenServer:
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
 
+    def stop(self) -> None:
+        self.steps.put(None)  # a handler still waiting returns (its pool thread would block the exit)
+        self.server.stop(None)
+
     def worker(self, worker_id: str) -> WorkerHandle:
         async def output_address():
-            return self.address
+            return self.address, "s3cret"
 
         actor = SimpleNamespace(output_address=SimpleNamespace(remote=output_address))
         return WorkerHandle(actor=actor, info=WorkerInfo(worker_id, "decode", "node", None, 64, 2048, 100))
@@ -156,6 +162,7 @@ def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_the
             await asyncio.sleep(0.01)
         for token in range(2, 6):
             server.steps.put(encode_chunks([TokenChunk("req", (token,))]))
+            server.steps.put(encode_chunks([]))  # a heartbeat: nothing to hand out
         time.sleep(1.0)  # the loop is stalled; the subscription's reader goes on
         await asyncio.sleep(0.2)
         server.steps.put(None)  # the worker goes away
@@ -166,7 +173,7 @@ def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_the
     try:
         assert asyncio.run(run()) == ([(1,), (2, 3, 4, 5)], "dead")
     finally:
-        server.server.stop(None)
+        server.stop()
 
 
 def test_a_token_stream_that_answers_for_another_worker_is_refused():
@@ -175,7 +182,7 @@ def test_a_token_stream_that_answers_for_another_worker_is_refused():
         with pytest.raises(WorkerError, match="decode-7"):
             asyncio.run(_router().watch(server.worker("decode-0")))
     finally:
-        server.server.stop(None)
+        server.stop()
 
 
 def test_a_steps_messages_are_all_prepared_before_the_first_is_written():
@@ -202,4 +209,4 @@ def test_a_steps_messages_are_all_prepared_before_the_first_is_written():
     try:
         assert asyncio.run(run()) == [("prepared", r) for r in "abc"] + [("written", r) for r in "abc"]
     finally:
-        server.server.stop(None)
+        server.stop()

@@ -225,3 +225,19 @@ def test_the_only_decode_worker_dying_mid_stream_fails_the_request_at_once(harne
         assert prefill.kv_blocks_free == prefill.kv_blocks_total
     finally:
         system.stop()
+
+
+def test_a_decode_workers_token_stream_refuses_a_subscriber_without_its_secret(disaggregated):
+    import ray
+
+    from engine.worker_messages import OUTPUT_STREAM_METHOD
+
+    address, _ = ray.get(disaggregated.system.router.decode_pool.workers[0].actor.output_address.remote())
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_stream(OUTPUT_STREAM_METHOD)(b"", metadata=(("authorization", "a guess"),), timeout=10)
+        with pytest.raises(grpc.RpcError) as failure:
+            next(iter(call))
+    assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with disaggregated.client() as client:  # the router's own subscription goes on
+        answer = client.generate(client.request("Say hi.", max_tokens=4, temperature=0, ignore_eos=True))
+    assert answer.usage.completion_tokens == 4
