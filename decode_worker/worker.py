@@ -33,6 +33,7 @@ from engine.worker_messages import (OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION
 from engine.worker_runtime import node_ip_address, node_name, start_engine
 from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
+from kvtransfer.wire import host_port
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +120,12 @@ class DecodeWorker:
             server = grpc.aio.server()
             handler = grpc.unary_stream_rpc_method_handler(self._serve_outputs)  # bytes in and out
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(OUTPUT_STREAM_SERVICE, {"Subscribe": handler}),))
-            self._output_port = server.add_insecure_port(_host_port(self._kv_host, 0))
+            self._output_port = server.add_insecure_port(host_port(self._kv_host, 0))
             if self._output_port == 0:
                 raise OSError(f"decode worker {self.worker_id} could not bind its token stream on {self._kv_host}")
             await server.start()
             self._output_server = server
-        return _reachable(_host_port(self._kv_host, self._output_port)), self._output_secret
+        return _reachable(host_port(self._kv_host, self._output_port)), self._output_secret
 
     async def _serve_outputs(self, request: bytes, context) -> AsyncIterator[bytes]:
         """The router's subscription: a hello once the channel is open (nothing is lost after it), then
@@ -134,7 +135,8 @@ class DecodeWorker:
         whose router then fails its requests over rather than wait on a stream nobody feeds."""
         import grpc
 
-        if dict(context.invocation_metadata() or ()).get("authorization") != self._output_secret:
+        offered = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not secrets.compare_digest(offered.encode(), self._output_secret.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this token stream is the router's")
         if self._output_channel is not None:
             self._output_channel.put_nowait(None)
@@ -223,13 +225,9 @@ class DecodeWorker:
 _HEARTBEAT_S = 1.0
 
 
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def _reachable(address: str) -> str:
     """A bound host:port as others reach it: a wildcard bind is advertised as this node's address."""
     host, _, port = address.rpartition(":")
     if host in ("0.0.0.0", "[::]", "::"):
         host = node_ip_address()
-    return _host_port(host.strip("[]"), int(port))
+    return host_port(host.strip("[]"), int(port))

@@ -26,7 +26,7 @@ from kvtransfer import errors
 from kvtransfer.base import DEFAULT_LEASE_S, KVReceiver, KVSender
 from kvtransfer.buffers import BufferPool
 from kvtransfer.leases import HeldRequest
-from kvtransfer.wire import WIRE_VERSION, KVGroupHeader, as_bytes_view
+from kvtransfer.wire import WIRE_VERSION, KVGroupHeader, as_bytes_view, host_port
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class GrpcKVReceiver(KVReceiver):
         handlers = {"Push": grpc.stream_unary_rpc_method_handler(self._serve_push),
                     "Abort": grpc.unary_unary_rpc_method_handler(self._serve_abort)}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        self._port = self._server.add_insecure_port(f"{host}:{port}")
+        self._port = self._server.add_insecure_port(host_port(host, port))
         if self._port == 0:
             raise OSError(f"KV receiver could not bind {host}:{port}")
         self._host = host
@@ -176,7 +176,7 @@ class GrpcKVReceiver(KVReceiver):
 
     @property
     def address(self) -> str:
-        return f"{self._host}:{self._port}"
+        return host_port(self._host, self._port)
 
     def abort(self, request_id: str) -> bool:
         aborted = super().abort(request_id)
