@@ -1,8 +1,8 @@
 """The decode worker: reserves KV blocks before a transfer starts, installs arriving KV, admits each
 request into its running batch (continuous batching) and streams its tokens.
 
-A disaggregated request arrives in three calls from the router, in this order:
-`reserve` (blocks set aside, with a deadline) -> `deliver` (routed transports only) -> `admit`.
+A disaggregated request arrives in two calls from the router, in this order: `reserve` (blocks set
+aside, with a deadline) -> `admit` (with the KV deliveries of a routed transport).
 The KV may become ready before or after `admit`; either way the request joins the batch at the next
 step once both have happened. Ready KV that nobody claims within the reservation's deadline is freed.
 In colocated mode `admit_colocated` runs the whole request here. Tokens of every request leave through
@@ -100,9 +100,13 @@ class DecodeWorker:
                 log.warning("KV delivery failed: %s", error)
                 return
 
-    async def admit(self, request_id: str, prompt_ids: Sequence[int], first_token_id: int, params: SamplingParams) -> None:
-        """The request joins the running batch as soon as its KV is ready (now, if it already is)."""
+    async def admit(self, request_id: str, prompt_ids: Sequence[int], first_token_id: int, params: SamplingParams,
+                    deliveries: Sequence = ()) -> None:
+        """The request joins the running batch as soon as its KV is ready (now, if it already is).
+        `deliveries` are a routed transport's KV messages (ray): installed here, in the same call (each
+        Ray call costs the router about 1 ms of CPU)."""
         await self.loop.call(lambda: self._admit(request_id, _Awaiting(list(prompt_ids), first_token_id, params)))
+        await self.deliver(deliveries)
 
     # -- colocated path ------------------------------------------------------------------------
 

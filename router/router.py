@@ -357,9 +357,8 @@ class Router:
             yield self._item(progress, (result.first_token_id,), result.finish_reason, decode)
             return
         yield self._item(progress, (result.first_token_id,), None, decode)
-        if result.deliveries:
-            self._fire(decode.actor.deliver.remote(result.deliveries))
-        await self._call(decode, decode.actor.admit.remote(wid, prompt_ids, result.first_token_id, params))
+        await self._call(decode, decode.actor.admit.remote(wid, prompt_ids, result.first_token_id, params,
+                                                           result.deliveries))
         async for chunk in self._chunks(route, coalesce=not params.stop):
             if chunk.kv_ready_wall_s is not None:
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
