@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
+import grpc
 import msgpack
 
 from engine.engine_loop import EngineLoop
@@ -119,8 +120,6 @@ class DecodeWorker:
         """Where the router subscribes to this worker's tokens, and the secret it must present (it
         travels only through Ray); the server starts on the first call."""
         if self._output_server is None:
-            import grpc
-
             server = grpc.aio.server()
             handler = grpc.unary_stream_rpc_method_handler(self._serve_outputs)  # bytes in and out
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(OUTPUT_STREAM_SERVICE, {"Subscribe": handler}),))
@@ -137,8 +136,6 @@ class DecodeWorker:
         message after each second without any (the router hears the worker is alive). A request ends
         with a chunk that has a finish reason or an error. A new subscription ends the previous one,
         whose router then fails its requests over rather than wait on a stream nobody feeds."""
-        import grpc
-
         offered = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not secrets.compare_digest(offered.encode(), self._output_secret.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this token stream is the router's")

@@ -142,13 +142,33 @@ class _TokenServer:
         return WorkerHandle(actor=actor, info=WorkerInfo(worker_id, "decode", "node", None, 64, 2048, 100))
 
 
-def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_then_the_end_fails_requests():
-    server = _TokenServer([OUTPUT_STREAM_VERSION, "decode-0"])
+@pytest.fixture
+def token_server():
+    """Starts `_TokenServer`s that say they are the given worker; stops them after the test."""
+    servers = []
+
+    def start(worker_id: str) -> _TokenServer:
+        servers.append(_TokenServer([OUTPUT_STREAM_VERSION, worker_id]))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+async def _subscribed(server: _TokenServer) -> tuple[Router, WorkerHandle]:
+    """A router subscribed to the server's stream, as to a decode worker "decode-0"."""
+    router = _router()
+    worker = server.worker("decode-0")
+    await router.watch(worker)
+    return router, worker
+
+
+def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_then_the_end_fails_requests(token_server):
+    server = token_server("decode-0")
 
     async def run():
-        router = _router()
-        worker = server.worker("decode-0")
-        await router.watch(worker)
+        router, worker = await _subscribed(server)
         route = router._track("req", "req", None, worker)
         received = []
 
@@ -170,28 +190,20 @@ def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_the
             await asyncio.wait_for(consumer, 10)
         return received, worker.state
 
-    try:
-        assert asyncio.run(run()) == ([(1,), (2, 3, 4, 5)], "dead")
-    finally:
-        server.stop()
+    assert asyncio.run(run()) == ([(1,), (2, 3, 4, 5)], "dead")
 
 
-def test_a_token_stream_that_answers_for_another_worker_is_refused():
-    server = _TokenServer([OUTPUT_STREAM_VERSION, "decode-7"])
-    try:
-        with pytest.raises(WorkerError, match="decode-7"):
-            asyncio.run(_router().watch(server.worker("decode-0")))
-    finally:
-        server.stop()
+def test_a_token_stream_that_answers_for_another_worker_is_refused(token_server):
+    server = token_server("decode-7")
+    with pytest.raises(WorkerError, match="decode-7"):
+        asyncio.run(_router().watch(server.worker("decode-0")))
 
 
-def test_a_steps_messages_are_all_prepared_before_the_first_is_written():
-    server = _TokenServer([OUTPUT_STREAM_VERSION, "decode-0"])
+def test_a_steps_messages_are_all_prepared_before_the_first_is_written(token_server):
+    server = token_server("decode-0")
 
     async def run():
-        router = _router()
-        worker = server.worker("decode-0")
-        await router.watch(worker)
+        router, worker = await _subscribed(server)
         log = []
 
         async def consume(request_id: str):  # what a frontend does per message
@@ -206,7 +218,4 @@ def test_a_steps_messages_are_all_prepared_before_the_first_is_written():
         await asyncio.wait_for(asyncio.gather(*consumers), 10)
         return log
 
-    try:
-        assert asyncio.run(run()) == [("prepared", r) for r in "abc"] + [("written", r) for r in "abc"]
-    finally:
-        server.stop()
+    assert asyncio.run(run()) == [("prepared", r) for r in "abc"] + [("written", r) for r in "abc"]
