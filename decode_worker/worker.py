@@ -31,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.telemetry import gpu_stats, rss_bytes
 from engine.worker_messages import (OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, WorkerInfo, WorkerLoad,
                                     encode_chunks)
-from engine.worker_runtime import node_ip_address, node_name, start_engine
+from engine.worker_runtime import describe, node_ip_address, start_engine
 from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
 from kvtransfer.wire import host_port
@@ -75,8 +75,7 @@ class DecodeWorker:
         self.loop.expecting_events = lambda: self.receiver.reservations.num_reserved_requests > 0
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.role, node_name(), self._kv_address(), self.engine.allocator.num_blocks,
-                          self.engine.model_config.max_context_tokens, self.engine.model_config.vocab_size)
+        return describe(self.engine, self.worker_id, self.role, self._kv_address())
 
     def _kv_address(self) -> Optional[str]:
         """Where senders reach our KV receiver."""
@@ -92,6 +91,10 @@ class DecodeWorker:
             self._timeouts_s[request_id] = timeout_s
 
         await self.loop.call(reserve)
+
+    async def renew(self, request_id: str, timeout_s: float) -> bool:
+        """Restarts a reservation's clock (its prompt still waits for prefill); False when it is gone."""
+        return await self.loop.call(lambda: self.receiver.reservations.renew(request_id, timeout_s))
 
     async def deliver(self, deliveries: Sequence) -> None:
         for delivery in deliveries:  # a failure is reported to the request's stream by the next poll

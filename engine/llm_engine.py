@@ -67,6 +67,9 @@ class LLMEngine:
         num_blocks = PagedKVCache.num_blocks_for_bytes(self.layout, config.kv_cache_bytes)
         self.kv_cache = PagedKVCache(self.layout, num_blocks, config.device)
         self.allocator = BlockAllocator(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
+        # The longest sequence (prompt + output) this engine serves: the model's context, unless its KV
+        # cache holds fewer tokens (a sequence alone must always fit, or it would preempt itself for ever).
+        self.max_model_len = min(self.model_config.max_context_tokens, num_blocks * config.block_size_tokens)
         self.scheduler = Scheduler(config.scheduler, self.allocator)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache)
         self.eos_token_ids = frozenset(self.tokenizer.special.eos_token_ids) if self.tokenizer else frozenset()
@@ -105,12 +108,11 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        limit = self.model_config.max_context_tokens
-        if len(prompt_ids) >= limit:
-            raise RequestError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit} tokens (prompt plus at least one output token)")
-        blocks = self.allocator.blocks_needed(len(prompt_ids) + 1)
-        if blocks > self.allocator.num_blocks:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens needs {blocks} KV blocks; the cache holds {self.allocator.num_blocks}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt_ids)} tokens; this engine serves {self.max_model_len} tokens of context (the "
+                f"model's {self.model_config.max_context_tokens}, its KV cache's "
+                f"{self.allocator.num_blocks * self.config.block_size_tokens}): prompt plus at least one output token")
 
     def abort(self, request_id: str) -> bool:
         """Stops a request wherever it is (queued, running or held for handoff) and frees its blocks."""
@@ -221,7 +223,7 @@ class LLMEngine:
     def finish_reason(self, seq: Sequence, token: int) -> Optional[FinishReason]:
         if self._is_stop_token(seq, token):
             return FinishReason.STOP
-        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.model_config.max_context_tokens:
+        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -65,8 +65,10 @@ class WorkerInfo:
     node: str
     kv_address: Optional[str]  # where KV senders reach this worker (grpc transport), else None
     kv_blocks_total: int
-    max_context_tokens: int
+    max_context_tokens: int  # what this worker serves: the model's context, or less if its KV cache holds less
     vocab_size: int
+    model_context_tokens: int = 0  # the model's own context
+    num_threads: int = 1  # torch threads the worker computes with
 
 
 @dataclass(frozen=True)

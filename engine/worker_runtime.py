@@ -7,16 +7,19 @@ import dataclasses
 import gc
 import logging
 import socket
+from typing import Optional
 
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.worker_messages import WorkerInfo
 
 log = logging.getLogger(__name__)
 
 
 def granted_cpus() -> int:
-    """The CPUs Ray gave this actor (1 outside Ray)."""
+    """The torch threads for the CPUs Ray gave this actor: whole CPUs, at least 1 (a fraction of a
+    CPU, as a local node's workers get by default, is one thread sharing its core)."""
     try:
         import ray
 
@@ -40,6 +43,12 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     log.info("engine ready: model %s, %s, %d threads, %d KV blocks, decode attention: %s", config.model, config.dtype,
              threads, engine.allocator.num_blocks, "paged kernel" if kernel is not None else "torch (gather + SDPA)")
     return engine
+
+
+def describe(engine: LLMEngine, worker_id: str, role: str, kv_address: Optional[str]) -> WorkerInfo:
+    """The worker's `info()`: who it is and what it can serve."""
+    return WorkerInfo(worker_id, role, node_name(), kv_address, engine.allocator.num_blocks, engine.max_model_len,
+                      engine.model_config.vocab_size, engine.model_config.max_context_tokens, torch.get_num_threads())
 
 
 def node_name() -> str:

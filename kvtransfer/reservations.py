@@ -68,6 +68,19 @@ class Reservations:
             self._by_request[request_id] = reservation
         return list(block_ids)
 
+    def renew(self, request_id: str, timeout_s: float) -> bool:
+        """Any thread: the reservation's deadline becomes now + `timeout_s` (the sender has not started
+        yet: its prompt waits to be prefilled). False when there is no such reservation any more."""
+        with self._lock:
+            reservation = self._by_request.get(request_id)
+        if reservation is None:
+            return False
+        with reservation.lock:
+            if reservation.ready or reservation.error is not None:
+                return False
+            reservation.deadline_s = max(reservation.deadline_s, self.clock() + timeout_s)
+        return True
+
     def _get(self, request_id: str) -> _Reservation:
         with self._lock:
             reservation = self._by_request.get(request_id)

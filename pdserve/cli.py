@@ -61,7 +61,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--kv-host", default="auto", help="address decode workers bind for their token stream to the router and "
                    "their gRPC KV receiver; auto: 127.0.0.1 on a local node, each worker's node address on a cluster")
-    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--cpus-per-worker", type=float, default=None,
+                   help="CPUs per worker (default: on a local node, its cores / max(4, workers), workers sharing "
+                        "cores with one thread each; on a cluster 1); a worker computes with its whole CPUs as threads")
     p.add_argument("--worker-start-timeout-s", type=float, default=300.0,
                    help="give up on new workers not ready by then (no room on the cluster?)")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
@@ -212,10 +214,12 @@ def _status(args: argparse.Namespace) -> int:
     print(f"{stats.mode}, {stats.transport} transport, model {stats.model}: "
           f"{stats.requests_in_flight} in flight, {stats.requests_waiting_for_kv} waiting for KV room, "
           f"{stats.requests_completed} completed, {stats.requests_failed} failed; recent TTFT p50 "
-          f"{stats.recent_ttft_p50_s * 1e3:.0f} ms, TPOT p50 {stats.recent_tpot_p50_s * 1e3:.1f} ms")
+          f"{stats.recent_ttft_p50_s * 1e3:.0f} ms, TPOT p50 {stats.recent_tpot_p50_s * 1e3:.1f} ms; context "
+          f"{stats.max_context_tokens} tokens (model {stats.model_context_tokens})")
     for w in stats.workers:
-        print(f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  running {w.running_requests}  "
-              f"waiting {w.waiting_requests}  KV free {w.kv_blocks_free}/{w.kv_blocks_total}  served {w.requests_served}")
+        print(f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  {w.cpus:g} CPU, {w.threads} thread(s)  "
+              f"running {w.running_requests}  waiting {w.waiting_requests}  KV free {w.kv_blocks_free}/"
+              f"{w.kv_blocks_total} ({w.kv_capacity_tokens} tokens)  served {w.requests_served}")
     for line in stats.autoscaler_decisions:
         print(f"  autoscaler: {line}")
     return 0

@@ -23,7 +23,9 @@ _DRAIN_POLL_S = 0.1
 
 
 def _free_summary(free: dict[str, float]) -> str:
-    return ", ".join(f"{free[name]:g} {name}" for name in sorted(free) if name == "CPU" or name.startswith(("GPU", "pdserve")))
+    """What is free, CPUs always named: Ray leaves a resource out of `available_resources` once none is free."""
+    names = sorted({"CPU", *(name for name in free if name.startswith(("GPU", "pdserve")))})
+    return ", ".join(f"{free.get(name, 0.0):g} {name}" for name in names)
 
 
 class PoolManager:
@@ -52,7 +54,7 @@ class PoolManager:
     def _actor_options(self, role: str) -> dict:
         import ray
 
-        options = {"num_cpus": self.config.cpus_per_worker}
+        options = {"num_cpus": self.config.worker_cpus}
         resource = NODE_RESOURCE[role]
         if resource in ray.cluster_resources():
             options["resources"] = {resource: _RESOURCE_PER_WORKER}
@@ -76,7 +78,7 @@ class PoolManager:
             self._next_index[role] += 1
             if role == "prefill":
                 actor = ray.remote(PrefillWorker).options(**options).remote(
-                    worker_id, self.engine_config, self.config.transport, self.epoch)
+                    worker_id, self.engine_config, self.config.transport, self.epoch, self.config.kv_timeout_s)
             else:
                 actor = ray.remote(DecodeWorker).options(**options).remote(
                     worker_id, self.engine_config, self.config.transport, self.config.worker_bind_host(), role)
@@ -113,7 +115,8 @@ class PoolManager:
         if short:
             raise WorkerStartError(
                 f"{role}: {count} more worker(s) need {', '.join(f'{v:g} {k}' for k, v in needs.items())}; this "
-                f"local Ray node has {_free_summary(free)} free. Serve with a smaller --cpus-per-worker, or on a "
+                f"local Ray node has {_free_summary(free)} free of {ray.cluster_resources().get('CPU', 0.0):g} CPU "
+                f"(each worker holds {options['num_cpus']:g}). Serve with a smaller --cpus-per-worker, or on a "
                 f"cluster (--address)")
 
     async def scale(self, prefill: Optional[int] = None, decode: Optional[int] = None) -> tuple[int, int]:
@@ -159,6 +162,8 @@ class PoolManager:
         finds idle ones) and replaces each with a fresh worker of its role. A worker heard from within
         the interval (a call answered, tokens streamed) is not asked: each Ray call costs the router
         about 1 ms of CPU here, and a busy decode worker's token stream breaks at once if it dies."""
+        import ray
+
         from router.router import is_actor_death
 
         while True:
@@ -178,7 +183,7 @@ class PoolManager:
                     try:  # dead, or alive but cut off from the router: its blocks go with it
                         ray.kill(worker.actor)
                     except Exception as error:
-                        log.debug("could not kill %s: %s", worker.worker_id, error)
+                        log.warning("could not kill %s: %s", worker.worker_id, error)
                     self.replaced.append(worker.worker_id)
                     self._missing[role] = self._missing.get(role, 0) + 1
                     log.warning("%s pool: %s died; starting a replacement", role, worker.worker_id)

@@ -19,6 +19,7 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 MODES = ("disaggregated", "colocated")
+_LOCAL_WORKER_SLOTS = 4  # a local node's default CPU share per worker is its cores / this (or / its workers)
 TRANSPORTS = ("ray", "grpc")
 
 
@@ -30,7 +31,9 @@ class ServeConfig:
     transport: str = "ray"
     num_prefill: int = 1
     num_decode: int = 1
-    cpus_per_worker: float = 1.0
+    # CPUs Ray accounts to each worker; None: on a local node a share of its cores that leaves room to
+    # scale up (`worker_cpus`), on a cluster 1. A worker computes with max(1, whole CPUs) torch threads.
+    cpus_per_worker: Optional[float] = None
     worker_start_timeout_s: float = 300.0  # a new worker not ready by then (no room on the cluster?) is given up
     address: str = "local"  # "local": start a Ray node here; "auto" or host:port: join that cluster
     host: str = "127.0.0.1"
@@ -39,6 +42,7 @@ class ServeConfig:
     # 127.0.0.1 on a local node and each worker's node address on a cluster.
     kv_host: str = "auto"
     kv_cache_bytes: int = 256 << 20
+    kv_timeout_s: float = 30.0  # a KV reservation's and a handoff lease's life (router.router.RouterConfig)
     block_size_tokens: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -55,6 +59,18 @@ class ServeConfig:
     max_waiting_for_kv: int = 256  # of those, queued for KV room on a decode worker
     stream_interval: int = 1  # decode tokens per streamed message (router.router.RouterConfig)
 
+    @property
+    def worker_cpus(self) -> float:
+        """`cpus_per_worker` resolved. On a local node (which cannot grow) the default gives each worker a
+        share of the cores sized for at least 4 workers, so the README's scale-up from 1 prefill + 1
+        decode works on 2 cores (workers then share cores, one thread each); a real refusal names the numbers."""
+        if self.cpus_per_worker is not None:
+            return self.cpus_per_worker
+        if self.address != "local":
+            return 1.0
+        workers = self.num_decode + (self.num_prefill if self.mode == "disaggregated" else 0)
+        return (os.cpu_count() or 1) / max(_LOCAL_WORKER_SLOTS, workers)
+
     def worker_bind_host(self) -> Optional[str]:
         """`kv_host` as decode workers get it: None means their node's address."""
         if self.kv_host != "auto":
@@ -68,6 +84,10 @@ class ServeConfig:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
             raise ValueError("need at least one decode worker, and one prefill worker when disaggregated")
+        if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
+            raise ValueError(f"--cpus-per-worker must be positive, got {self.cpus_per_worker}")
+        if self.kv_timeout_s <= 0:
+            raise ValueError(f"kv_timeout_s must be positive, got {self.kv_timeout_s}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -138,7 +158,7 @@ def init_ray(config: ServeConfig) -> None:
         return
     if config.address == "local":
         workers = config.num_decode + (config.num_prefill if config.mode == "disaggregated" else 0)
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(workers * config.cpus_per_worker + 0.999)),
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(workers * config.worker_cpus + 0.999)),
                  include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=config.object_store_bytes,
                  log_to_driver=False, configure_logging=False)
     else:
@@ -153,6 +173,7 @@ class System:
     port: int
     health: object
     pools: object  # pdserve.pools.PoolManager
+    limits: Optional[object] = None  # router.validation.ValidationLimits: what every request is checked against
     autoscaler: Optional[object] = None  # pdserve.pools.AutoscaleLoop
     http_runner: Optional[object] = None  # aiohttp AppRunner of the OpenAI-compatible server
     http_port: Optional[int] = None
@@ -186,11 +207,15 @@ class System:
                                        autoscaler_decisions=self.autoscaler.decisions if self.autoscaler else [],
                                        requests_waiting_for_kv=router.waiting_for_kv,
                                        recent_ttft_p50_s=router.recent_p50(router.recent_first_tokens, now) or 0.0,
-                                       recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0)
+                                       recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0,
+                                       max_context_tokens=self.limits.max_context_tokens,
+                                       model_context_tokens=self.limits.model_context_tokens)
         for worker, load in await self.worker_loads():
             failed = isinstance(load, BaseException)
             stats = response.workers.add(worker_id=worker.worker_id, role=worker.info.role, node=worker.info.node,
-                                         state=worker.state if not failed else "dead")
+                                         state=worker.state if not failed else "dead", threads=worker.info.num_threads,
+                                         cpus=self.config.worker_cpus,
+                                         kv_capacity_tokens=worker.info.kv_blocks_total * self.config.block_size_tokens)
             if not failed:
                 stats.running_requests = load.running_requests
                 stats.waiting_requests = load.waiting_requests
@@ -225,14 +250,17 @@ async def start_system(config: ServeConfig) -> System:
     tokenizer = load_tokenizer(config.model)
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
-    router = Router(RouterConfig(config.mode, limits=admission, stream_interval=config.stream_interval), tokenizer,
+    router = Router(RouterConfig(config.mode, kv_timeout_s=config.kv_timeout_s, limits=admission,
+                                 stream_interval=config.stream_interval), tokenizer,
                     WorkerPool("prefill"), WorkerPool(decode_role))
     pools = PoolManager(config, router, epoch=int(time.time()))
     await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
                          pools.add_workers("prefill", config.num_prefill if config.mode == "disaggregated" else 0))
-    info = router.decode_pool.workers[0].info
-    limits = ValidationLimits(max_context_tokens=info.max_context_tokens, vocab_size=info.vocab_size)
-    system = System(config, router, None, 0, None, pools)
+    # The context served is what every worker can hold: a prompt a worker cannot hold is refused at once.
+    infos = [worker.info for pool in (router.prefill_pool, router.decode_pool) for worker in pool.workers]
+    limits = ValidationLimits(max_context_tokens=min(info.max_context_tokens for info in infos),
+                              vocab_size=infos[0].vocab_size, model_context_tokens=infos[0].model_context_tokens)
+    system = System(config, router, None, 0, None, pools, limits)
     servicer = GenerationServicer(router, limits, system.stats, pools.scale, config.credentials)
     system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port, config.tls)
     if config.http_port is not None:

@@ -19,7 +19,7 @@ from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.telemetry import gpu_stats, rss_bytes
 from engine.worker_messages import PrefillResult, WorkerInfo, WorkerLoad
-from engine.worker_runtime import node_name, start_engine
+from engine.worker_runtime import describe, start_engine
 from kvtransfer.registry import create_sender
 
 log = logging.getLogger(__name__)
@@ -44,11 +44,11 @@ class PrefillWorker:
         self.loop.expecting_events = lambda: self.sender.ledger.num_held_requests > 0
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, "prefill", node_name(), None, self.engine.allocator.num_blocks,
-                          self.engine.model_config.max_context_tokens, self.engine.model_config.vocab_size)
+        return describe(self.engine, self.worker_id, "prefill", None)
 
     async def prefill(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                      destination: Optional[str]) -> PrefillResult:
+                      destination: Optional[str]) -> Optional[PrefillResult]:
+        """The prompt's first token and KV handoff; None when the request was aborted meanwhile."""
         outputs = self.loop.listen(request_id)
         try:
             self._requests[request_id] = _Prefilling(destination, time.monotonic())
@@ -78,6 +78,8 @@ class PrefillWorker:
 
     def _abort(self, request_id: str) -> bool:
         found = self.engine.abort(request_id)
+        if found:
+            self.loop.publish(request_id, None)  # its `prefill` call returns (None) instead of waiting for ever
         if request_id in self.sender.ledger.request_ids():
             self.sender.abort(request_id)
             found = True

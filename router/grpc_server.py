@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20  # room for a 1 MiB prompt in any encoding; the validator enforces the real limit
 SERVICE_NAME = "pdserve.v1.Generation"
 _STATUS = {"unavailable": grpc.StatusCode.UNAVAILABLE, "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-           "deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "internal": grpc.StatusCode.UNAVAILABLE}
+           "deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "internal": grpc.StatusCode.UNAVAILABLE,
+           "conflict": grpc.StatusCode.ALREADY_EXISTS}
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -51,8 +52,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestValidationError as error:
             self.router.metrics.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if validated.request_id in self.router.in_flight:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {validated.request_id!r} is already running")
         failure: Optional[tuple[grpc.StatusCode, str]] = None
         with request_context(validated.request_id):
             try:  # past the client's deadline gRPC cancels this handler; closing the stream aborts the workers

@@ -115,8 +115,6 @@ class HttpFrontend:
             validated = validate(parsed.request, self.router.tokenizer, self.limits)
         except RequestValidationError as error:
             raise invalid(openai_param(error.field, parsed), error.reason) from error
-        if validated.request_id in self.router.in_flight:
-            raise ApiError(409, f"request id {validated.request_id!r} is already running", "X-Request-Id")
         return parsed, validated
 
     # -- operations ------------------------------------------------------------------------------
@@ -197,14 +195,15 @@ async def _event_stream(request: web.Request, stream, first: StreamItem, shape: 
     return response
 
 
-_STATUS = {"unavailable": 503, "overloaded": 429, "deadline": 504, "internal": 500}
+_STATUS = {"unavailable": 503, "overloaded": 429, "deadline": 504, "internal": 500, "conflict": 409}
 
 
 def _api_error(error: Exception, request_id: str) -> ApiError:
     if isinstance(error, ApiError):
         return error
     kind, message = describe_failure(error, request_id)
-    return ApiError(_STATUS[kind], message, code="overloaded" if kind == "overloaded" else None)
+    return ApiError(_STATUS[kind], message, code="overloaded" if kind == "overloaded" else None,
+                    param="X-Request-Id" if kind == "conflict" else None)
 
 
 def _error_response(error: ApiError) -> web.Response:

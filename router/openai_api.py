@@ -21,7 +21,7 @@ from router.router import FinalInfo
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               409: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "service_unavailable_error", 504: "timeout_error"}
 
 # Accepted only at these (neutral) values: the engine implements nothing else for them.

@@ -42,6 +42,14 @@ class AdmissionTimeoutError(RuntimeError):
     """No worker had room for the request in time; the client gets RESOURCE_EXHAUSTED."""
 
 
+class DuplicateRequestError(ValueError):
+    """Another request with the same id is in flight; the client gets ALREADY_EXISTS / HTTP 409."""
+
+
+class RequestAborted(Exception):
+    """`Router.abort` was called for the request: it ends at once with finish reason "abort"."""
+
+
 class WorkerLost(Exception):
     """A worker holding the request died. The request is migrated: re-run as prompt + tokens so far."""
 
@@ -59,11 +67,13 @@ def is_actor_death(error: BaseException) -> bool:
 
 def describe_failure(error: BaseException, request_id: str) -> tuple[str, str]:
     """What a frontend tells a client whose request failed with `error`: a kind ("unavailable",
-    "overloaded", "deadline" or "internal"), which each frontend maps to its status, and a message."""
+    "overloaded", "conflict", "deadline" or "internal"), which each frontend maps to its status, and a message."""
     if isinstance(error, (AdmissionTimeoutError, OverloadedError)):
         return "overloaded", str(error)
     if isinstance(error, NoWorkerError):
         return "unavailable", str(error)
+    if isinstance(error, DuplicateRequestError):
+        return "conflict", str(error)
     if isinstance(error, TimeoutError):
         return "deadline", f"request {request_id} passed its deadline"
     if isinstance(error, WorkerError):
@@ -82,7 +92,9 @@ def ray_task_error() -> type:
 @dataclass(frozen=True)
 class RouterConfig:
     mode: str  # "disaggregated" or "colocated"
-    kv_reservation_timeout_s: float = 30.0
+    # How long a decode worker keeps a reservation (renewed while the prompt waits for prefill) and
+    # received KV that nobody claims: the KV handoff's one timeout (the prefill side's lease too).
+    kv_timeout_s: float = 30.0
     max_migrations: int = 3  # re-runs of one request after workers died under it, before it fails
     admission_timeout_s: float = 120.0  # how long a request may wait for KV room before RESOURCE_EXHAUSTED
     limits: AdmissionLimits = AdmissionLimits()
@@ -133,6 +145,15 @@ class _Route:
 
 
 @dataclass
+class _Request:
+    """A client request from admission to its end; its id stays claimed all that time."""
+
+    request_id: str
+    aborted: asyncio.Future  # done once `Router.abort` was called for it
+    route: Optional[_Route] = None  # the current attempt, once its workers are chosen
+
+
+@dataclass
 class _Progress:
     start_s: float
     prompt_tokens: int
@@ -164,7 +185,7 @@ class Router:
     decode_pool: WorkerPool  # in colocated mode: the colocated workers
     requests_completed: int = 0
     requests_failed: int = 0
-    in_flight: dict[str, _Route] = field(default_factory=dict)
+    in_flight: dict[str, _Request] = field(default_factory=dict)  # claimed at admission, until the request ends
     # worker request id -> (the decode worker holding it, its chunks): a worker's chunks for an id it no
     # longer holds (a reservation handed back) never reach the attempt running elsewhere under that id.
     _streams: dict[str, tuple[WorkerHandle, "_Inbox"]] = field(default_factory=dict)
@@ -242,27 +263,37 @@ class Router:
                 stream.put_nowait(chunk)
 
     async def generate(self, request: ValidatedRequest) -> AsyncIterator[StreamItem]:
-        """Streams a request's output; the last item carries `final`. Raises OverloadedError at once
-        when the router's queues are full, and the errors of the flow (WorkerError, ...) as they come."""
+        """Streams a request's output; the last item carries `final` (finish reason "abort" after
+        `abort`). Raises at once DuplicateRequestError when its id is in flight and OverloadedError when
+        the router's queues are full, and the errors of the flow (WorkerError, ...) as they come."""
+        if request.request_id in self.in_flight:
+            self.metrics.requests.labels("invalid").inc()
+            raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in flight")
         if self.active >= self.config.limits.max_in_flight:
             self.metrics.requests.labels("rejected").inc()
             raise OverloadedError(f"the server holds {self.active} requests, its limit (--max-in-flight); retry later")
+        record = self.in_flight[request.request_id] = _Request(request.request_id,
+                                                               asyncio.get_running_loop().create_future())
         stop_ids = frozenset(request.params.stop_token_ids) | (
             frozenset() if request.params.ignore_eos else frozenset(self.tokenizer.special.eos_token_ids))
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.stop)
         progress = _Progress(time.monotonic(), len(request.prompt_ids), detok, stop_ids)
         log.info("received: %d prompt tokens, max_tokens %d", len(request.prompt_ids), request.params.max_tokens)
         final: Optional[FinalInfo] = None
-        outcome = "aborted"  # unless it finishes or fails: the client went away
+        outcome = "aborted"  # unless it finishes or fails: the client went away, or `abort` was called
         self.active += 1
         try:
-            async for item in self._migrating(request, progress):
-                final = item.final
-                if final is not None:
-                    self._finished(final)  # before the client sees the end, so /metrics already counts it
-                yield item
-                if final is not None:
-                    break
+            try:
+                async for item in self._migrating(record, request, progress):
+                    final = item.final
+                    if final is not None:
+                        self._finished(final)  # before the client sees the end, so /metrics already counts it
+                    yield item
+                    if final is not None:
+                        break
+            except RequestAborted:
+                log.info("aborted")
+                yield StreamItem([], detok.flush(), self._final(progress, "abort", time.monotonic(), None))
         except (AdmissionTimeoutError, OverloadedError):
             outcome = "rejected"
             raise
@@ -271,7 +302,8 @@ class Router:
             raise
         finally:
             self.active -= 1
-            self._settle(request.request_id)
+            self._settle(record)
+            del self.in_flight[request.request_id]
             if final is None:
                 self.requests_failed += 1
                 self.metrics.requests.labels(outcome).inc()
@@ -285,9 +317,9 @@ class Router:
                  final.cached_prompt_tokens, final.completion_tokens, final.ttft_s * 1e3, final.tpot_s * 1e3,
                  final.kv_bytes, final.kv_transfer_s * 1e3, final.prefill_worker or "-", final.decode_worker)
 
-    def _settle(self, request_id: str) -> None:
+    def _settle(self, record: _Request) -> None:
         """Forgets a request's current attempt: counters down, and an abort wherever it may still hold blocks."""
-        route = self.in_flight.pop(request_id, None)
+        route, record.route = record.route, None
         if route is None:
             return
         self._streams.pop(route.worker_request_id, None)
@@ -300,17 +332,23 @@ class Router:
             self._fire(route.decode.actor.abort.remote(wid))
 
     async def abort(self, request_id: str) -> bool:
-        route = self.in_flight.get(request_id)
-        if route is None:
+        """Ends a request in flight at once (its stream's last item has finish reason "abort"); its
+        workers are aborted as it ends. False when no such request is in flight."""
+        record = self.in_flight.get(request_id)
+        if record is None:
             return False
-        workers = [w for w in (route.prefill, route.decode) if w is not None]
-        results = await asyncio.gather(*(w.actor.abort.remote(route.worker_request_id) for w in workers),
-                                       return_exceptions=True)
-        return any(r is True for r in results)
+        if not record.aborted.done():
+            record.aborted.set_result(None)
+        if record.route is not None:  # a consumer waiting for tokens wakes up
+            holder_and_stream = self._streams.get(record.route.worker_request_id)
+            if holder_and_stream is not None:
+                holder_and_stream[1].put_nowait(RequestAborted())
+        return True
 
     # -- the two flows, and migration ------------------------------------------------------------
 
-    async def _migrating(self, request: ValidatedRequest, progress: _Progress) -> AsyncIterator[StreamItem]:
+    async def _migrating(self, record: _Request, request: ValidatedRequest,
+                         progress: _Progress) -> AsyncIterator[StreamItem]:
         """Runs the mode's flow; when a worker dies under the request, re-runs prompt + tokens so far on
         healthy workers (the client sees only latency; greedy and seeded output stay the same)."""
         flow = self._disaggregated if self.config.mode == "disaggregated" else self._colocated
@@ -320,12 +358,12 @@ class Router:
             prompt_ids = request.prompt_ids + progress.token_ids
             params = dataclasses.replace(request.params, max_tokens=request.params.max_tokens - len(progress.token_ids))
             try:
-                async for item in flow(request.request_id, wid, prompt_ids, params, progress):
+                async for item in flow(record, wid, prompt_ids, params, progress):
                     yield item
                 return
             except WorkerLost as lost:
                 lost.worker.state = "dead"
-                self._settle(request.request_id)
+                self._settle(record)
                 attempt += 1
                 if attempt > self.config.max_migrations:
                     raise WorkerError(f"{lost}; gave up after {attempt} attempts") from lost
@@ -333,20 +371,27 @@ class Router:
                 self.metrics.migrations.inc()
                 log.warning("%s; migrating with %d tokens so far (attempt %d)", lost, len(progress.token_ids), attempt + 1)
 
-    async def _disaggregated(self, rid: str, wid: str, prompt_ids: list[int], params, progress: _Progress) -> AsyncIterator[StreamItem]:
+    async def _disaggregated(self, record: _Request, wid: str, prompt_ids: list[int], params,
+                             progress: _Progress) -> AsyncIterator[StreamItem]:
         self.prefill_pool.pick()  # no prefill worker: fail at once (UNAVAILABLE), before reserving anything
-        decode = await self._reserve_decode(wid, len(prompt_ids))
+        decode = await self._reserve_decode(record, wid, len(prompt_ids))
         try:
             prefill = self.prefill_pool.pick()
         except NoWorkerError:
             self._fire(decode.actor.abort.remote(wid))  # frees the reservation now rather than at its timeout
             raise
-        route = self._track(rid, wid, prefill, decode)
+        route = self._track(record, wid, prefill, decode)
+        # The reservation's clock is renewed while the prompt waits in the prefill queue: a long queue
+        # must never expire it (its timeout is for KV that stopped coming, not for KV not yet computed).
+        timeout_s = self.config.kv_timeout_s
         try:
-            result: PrefillResult = await self._call(prefill, prefill.actor.prefill.remote(
-                wid, prompt_ids, params, decode.info.kv_address))
+            result: Optional[PrefillResult] = await self._call(
+                prefill, prefill.actor.prefill.remote(wid, prompt_ids, params, decode.info.kv_address), record,
+                every_s=timeout_s / 3, tick=lambda: self._fire(decode.actor.renew.remote(wid, timeout_s)))
         finally:
             prefill.in_flight -= 1
+        if result is None:  # the prefill worker was told to abort it
+            raise RequestAborted()
         progress.prefill = result
         progress.cached_prompt_tokens = result.num_cached_prompt_tokens
         if progress.first_token_s is None:
@@ -358,7 +403,7 @@ class Router:
             return
         yield self._item(progress, (result.first_token_id,), None, decode)
         await self._call(decode, decode.actor.admit.remote(wid, prompt_ids, result.first_token_id, params,
-                                                           result.deliveries))
+                                                           result.deliveries), record)
         async for chunk in self._chunks(route, coalesce=not params.stop):
             if chunk.kv_ready_wall_s is not None:
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
@@ -366,7 +411,7 @@ class Router:
                 self._fire(prefill.actor.acknowledge.remote(wid))
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode)
 
-    async def _reserve_decode(self, wid: str, num_prompt_tokens: int) -> WorkerHandle:
+    async def _reserve_decode(self, record: _Request, wid: str, num_prompt_tokens: int) -> WorkerHandle:
         """Reserves KV blocks for the prompt on a decode worker, trying each and then waiting while
         all are full, so a transfer never lands where there is no room and a busy pool queues."""
         deadline = time.monotonic() + self.config.admission_timeout_s
@@ -384,12 +429,18 @@ class Router:
                         break
                     tried += (decode.worker_id,)
                     try:
-                        await decode.actor.reserve.remote(wid, num_prompt_tokens, self.config.kv_reservation_timeout_s)
+                        await self._unless_aborted(record, decode.actor.reserve.remote(
+                            wid, num_prompt_tokens, self.config.kv_timeout_s))
                         if decode.state == "ready":
                             return decode
                         # A scale-down began draining it while we reserved (its drain counts only
                         # tracked requests): hand the blocks back and go elsewhere, not to a stopping worker.
                         self._fire(decode.actor.abort.remote(wid))
+                    except (asyncio.CancelledError, RequestAborted):
+                        # The client left (or aborted) while the reservation was on its way: it may be
+                        # made by now, and nothing else knows of it.
+                        self._fire(decode.actor.abort.remote(wid))
+                        raise
                     except Exception as error:
                         if is_actor_death(error):
                             decode.state = "dead"  # skipped from now on; the pool manager replaces it
@@ -405,32 +456,52 @@ class Router:
                                               "(--max-waiting); retry later")
                     waiting = True
                     self.waiting_for_kv += 1
-                await asyncio.sleep(delay_s)
+                await self._unless_aborted(record, asyncio.sleep(delay_s))
                 delay_s = min(delay_s * 2, 0.1)
         finally:
             if waiting:
                 self.waiting_for_kv -= 1
 
-    async def _colocated(self, rid: str, wid: str, prompt_ids: list[int], params, progress: _Progress) -> AsyncIterator[StreamItem]:
+    async def _colocated(self, record: _Request, wid: str, prompt_ids: list[int], params,
+                         progress: _Progress) -> AsyncIterator[StreamItem]:
         worker = self.decode_pool.pick()
-        route = self._track(rid, wid, None, worker)
-        await self._call(worker, worker.actor.admit_colocated.remote(wid, prompt_ids, params))
+        route = self._track(record, wid, None, worker)
+        await self._call(worker, worker.actor.admit_colocated.remote(wid, prompt_ids, params), record)
         async for chunk in self._chunks(route, coalesce=not params.stop):
             progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    async def _call(self, worker: WorkerHandle, call):
-        """Awaits a worker call; the worker's death becomes WorkerLost (the request migrates)."""
+    async def _call(self, worker: WorkerHandle, call, record: _Request, every_s: Optional[float] = None,
+                    tick=None):
+        """Awaits a worker call for a request; the worker's death becomes WorkerLost (the request
+        migrates), the request's abort RequestAborted at once. `tick` runs every `every_s` meanwhile."""
         try:
-            result = await call
+            result = await self._unless_aborted(record, call, every_s, tick)
         except Exception as error:
             if is_actor_death(error):
                 raise WorkerLost(worker, type(error).__name__) from error
             raise
         worker.last_heard_s = time.monotonic()
         return result
+
+    async def _unless_aborted(self, record: _Request, awaitable, every_s: Optional[float] = None, tick=None):
+        """`awaitable`'s result, or RequestAborted as soon as the request is aborted (the awaitable is
+        then cancelled, as it is when the caller is)."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                if record.aborted.done():
+                    raise RequestAborted()
+                await asyncio.wait((task, record.aborted), timeout=every_s, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
+                if tick is not None and not record.aborted.done():
+                    tick()
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _chunks(self, route: _Route, coalesce: bool = True) -> AsyncIterator[TokenChunk]:
         """A request's chunks as its decode worker sent them; with `coalesce`, chunks that queued up while
@@ -450,7 +521,7 @@ class Router:
                     pending = following  # handled on its own, next
                     break
                 chunk = _joined(chunk, following)
-            if isinstance(chunk, WorkerLost):
+            if isinstance(chunk, (WorkerLost, RequestAborted)):
                 raise chunk
             if chunk.error is not None:  # the abort sent on the way out clears anything left behind
                 if not route.prefill_released and route.prefill is not None and not await self._alive(route.prefill):
@@ -488,7 +559,7 @@ class Router:
             item.final = self._final(progress, finish_reason, now, decode)
         return item
 
-    def _final(self, progress: _Progress, finish_reason: str, now: float, decode: WorkerHandle) -> FinalInfo:
+    def _final(self, progress: _Progress, finish_reason: str, now: float, decode: Optional[WorkerHandle]) -> FinalInfo:
         first = progress.first_token_s or now
         ttft_s = first - progress.start_s
         tokens = progress.completion_tokens
@@ -504,14 +575,14 @@ class Router:
             queue_s=prefill.queue_s if prefill else 0.0, prefill_s=prefill.prefill_s if prefill else 0.0,
             kv_bytes=prefill.kv_bytes if prefill else 0, kv_transfer_s=progress.kv_transfer_s,
             e2e_s=now - progress.start_s, prefill_worker=prefill.worker_id if prefill else "",
-            decode_worker=decode.worker_id,
+            decode_worker=decode.worker_id if decode is not None else "",
         )
 
-    def _track(self, request_id: str, wid: str, prefill: Optional[WorkerHandle], decode: WorkerHandle) -> _Route:
+    def _track(self, record: _Request, wid: str, prefill: Optional[WorkerHandle], decode: WorkerHandle) -> _Route:
         for worker in (prefill, decode):
             if worker is not None:
                 worker.in_flight += 1
-        route = self.in_flight[request_id] = _Route(wid, prefill, decode, prefill_released=prefill is None)
+        route = record.route = _Route(wid, prefill, decode, prefill_released=prefill is None)
         self._streams[wid] = (decode, _Inbox(asyncio.get_running_loop()))  # before any call that could make the worker emit
         return route
 

@@ -25,10 +25,18 @@ class RequestValidationError(ValueError):
 
 @dataclass(frozen=True)
 class ValidationLimits:
-    max_context_tokens: int
+    max_context_tokens: int  # served: the model's context, or less where a worker's KV cache holds less
     vocab_size: int
     max_prompt_bytes: int = 1 << 20
     max_tokens_default: int = 16
+    model_context_tokens: int = 0  # the model's own context (0: the same as max_context_tokens)
+
+    def describe_context(self) -> str:
+        model = self.model_context_tokens
+        if not model or model == self.max_context_tokens:
+            return f"the model's context is {self.max_context_tokens} tokens"
+        return (f"this server's context is {self.max_context_tokens} tokens (the model's is {model}; a worker's "
+                f"KV cache holds {self.max_context_tokens}: see --kv-cache-mib)")
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,7 @@ def validate(request, tokenizer: Tokenizer, limits: ValidationLimits) -> Validat
     prompt_ids = _prompt_ids(request, tokenizer, limits)
     if len(prompt_ids) >= limits.max_context_tokens:
         raise RequestValidationError(
-            "prompt", f"has {len(prompt_ids)} tokens; the model's context is {limits.max_context_tokens} tokens "
+            "prompt", f"has {len(prompt_ids)} tokens; {limits.describe_context()} "
             "(prompt plus at least one output token)")
     params = _sampling_params(request.sampling, limits)
     room = limits.max_context_tokens - len(prompt_ids)

@@ -54,9 +54,10 @@ class Harness:
         import ray
 
         if not ray.is_initialized():
-            init_ray(ServeConfig(num_decode=self._num_cpus))  # sizes the local cluster's CPU count
+            # sizes the local cluster's CPU count: max(this machine's cores, num_cpus)
+            init_ray(ServeConfig(num_prefill=1, num_decode=max(1, self._num_cpus - 1), cpus_per_worker=1.0))
             self._ray_started = True
-        return RunningSystem(self.loop, ServeConfig(port=0, kv_cache_bytes=64 << 20, **config))
+        return RunningSystem(self.loop, ServeConfig(**{"port": 0, "kv_cache_bytes": 64 << 20, **config}))
 
     def close(self) -> None:
         import ray

@@ -126,7 +126,7 @@ def test_sampled_tokens_follow_the_filtered_softmax():
 
 @pytest.mark.parametrize(
     "prompt, message",
-    [([], "prompt is empty"), ([1, 2, 10**6], "outside the vocabulary"), (list(range(3, 500)) * 3, "the model's context is 1024 tokens")],
+    [([], "prompt is empty"), ([1, 2, 10**6], "outside the vocabulary"), (list(range(3, 500)) * 3, "serves 1024 tokens of context \\(the model's 1024")],
 )
 def test_bad_prompts_are_clear_errors_and_disturb_nothing(tiny, prompt, message):
     engine = LLMEngine(EngineConfig(block_size_tokens=8), loaded=tiny)
@@ -145,3 +145,18 @@ def test_bad_prompts_are_clear_errors_and_disturb_nothing(tiny, prompt, message)
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_a_kv_cache_smaller_than_the_context_bounds_what_is_served(tiny):
+    from engine.kv_cache import KVLayout
+
+    layout = KVLayout.for_model(tiny.config, 8, torch.float32)
+    engine = LLMEngine(EngineConfig(block_size_tokens=8, kv_cache_bytes=6 * layout.bytes_per_block), loaded=tiny)
+    assert engine.max_model_len == 48 < tiny.config.max_context_tokens
+    with pytest.raises(RequestError, match="serves 48 tokens of context"):
+        engine.add_request("long", list(range(3, 51)), SamplingParams(max_tokens=3))
+    # Alone in the cache, a sequence that would outgrow it ends at the served context, not preempting itself.
+    engine.add_request("grows", list(range(3, 13)), SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    outputs = list(engine.run_until_done())
+    assert outputs[-1].finish_reason == "length" and len(outputs) == 48 - 10
+    assert engine.scheduler.num_preemptions == 0 and engine.allocator.num_free_blocks == 6

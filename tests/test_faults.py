@@ -5,6 +5,7 @@ worker's KV blocks are all free and dead workers have been replaced."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -149,3 +150,29 @@ def test_no_prefill_worker_left_is_unavailable_at_once(harness):
         assert decode.kv_blocks_free == decode.kv_blocks_total
     finally:
         lonely.stop()
+
+
+def test_a_worker_cut_off_from_the_router_is_killed_and_replaced(system):
+    """Its process lives but its token stream ended: the healer must kill it (its CPUs and KV come back)
+    and start a replacement."""
+    import ray
+
+    router = system.system.router
+    cpus_before = ray.available_resources().get("CPU", 0.0)
+    worker = next(w for w in router.decode_pool.workers if w.state == "ready")
+    asyncio.run_coroutine_threadsafe(_unwatch(router, worker), system.loop).result(10)
+    deadline = time.monotonic() + 30
+    while worker.worker_id not in system.system.pools.replaced:
+        assert time.monotonic() < deadline, "the healer never replaced the cut-off worker"
+        time.sleep(0.1)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(worker.actor.load.remote(), timeout=30)  # killed, not left running beside its replacement
+    _wait_healed(system)
+    deadline = time.monotonic() + 30
+    while abs(ray.available_resources().get("CPU", 0.0) - cpus_before) > 1e-6:
+        assert time.monotonic() < deadline, (ray.available_resources(), cpus_before)
+        time.sleep(0.2)
+
+
+async def _unwatch(router, worker) -> None:
+    router.unwatch(worker, "test: cut off from the router")

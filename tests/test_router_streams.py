@@ -15,7 +15,12 @@ import pytest
 from engine.worker_messages import (OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, WorkerInfo, decode_chunks,
                                     encode_chunks)
 from router.pool import WorkerHandle, WorkerPool
-from router.router import Router, RouterConfig, WorkerError, WorkerLost
+from router.router import Router, RouterConfig, WorkerError, WorkerLost, _Request
+
+
+def _record(request_id: str) -> _Request:
+    """A request as the router holds it from admission (on the running loop)."""
+    return _Request(request_id, asyncio.get_running_loop().create_future())
 
 
 def _router(stream_interval: int = 1) -> Router:
@@ -31,7 +36,7 @@ def _collect(router: Router, holder: WorkerHandle, deliveries, coalesce: bool = 
     """On a loop, as in the router: track a request held by `holder`, deliver (worker, chunks) pairs, and
     collect what its consumer gets."""
     async def run():
-        route = router._track("req", "req", None, holder)
+        route = router._track(_record("req"), "req", None, holder)
         for worker, chunks in deliveries:
             router._deliver(worker, chunks)
         return [chunk async for chunk in router._chunks(route, coalesce)]
@@ -62,7 +67,7 @@ def test_stream_interval_holds_decode_tokens_but_not_the_first_chunk_nor_the_las
     async def run():
         router = _router(stream_interval=3)
         worker = _worker("decode-0")
-        route = router._track("req", "req", None, worker)
+        route = router._track(_record("req"), "req", None, worker)
         received: list[tuple[int, ...]] = []
 
         async def consume():
@@ -83,7 +88,7 @@ def test_a_worker_lost_mid_interval_still_hands_over_the_tokens_held_back_first(
     async def run():
         router = _router(stream_interval=4)
         worker = _worker("decode-0")
-        route = router._track("req", "req", None, worker)
+        route = router._track(_record("req"), "req", None, worker)
         router._deliver(worker, [TokenChunk("req", (1,))])
         received = []
         with pytest.raises(WorkerLost, match="decode-0 died"):
@@ -169,7 +174,7 @@ def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_the
 
     async def run():
         router, worker = await _subscribed(server)
-        route = router._track("req", "req", None, worker)
+        route = router._track(_record("req"), "req", None, worker)
         received = []
 
         async def consume():
@@ -207,7 +212,7 @@ def test_a_steps_messages_are_all_prepared_before_the_first_is_written(token_ser
         log = []
 
         async def consume(request_id: str):  # what a frontend does per message
-            async for chunk in router._chunks(router._track(request_id, request_id, None, worker)):
+            async for chunk in router._chunks(router._track(_record(request_id), request_id, None, worker)):
                 log.append(("prepared", request_id))
                 await router.writes_released()
                 log.append(("written", request_id))

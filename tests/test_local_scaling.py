@@ -1,0 +1,37 @@
+"""The README's scaling sequence on a local Ray node the size of this machine: `serve --prefill 1
+--decode 1`, then `scale --decode 2` works (workers share the cores); a scale-up beyond the node is
+refused at once with the numbers."""
+
+import os
+
+import grpc
+import pytest
+
+from tests.serving_harness import Harness
+
+
+@pytest.fixture(scope="module")
+def system():
+    harness = Harness(num_cpus=os.cpu_count())  # the node `pdserve serve` starts here
+    running = harness.start(num_prefill=1, num_decode=1)
+    yield running
+    running.stop()
+    harness.close()
+
+
+def test_the_readme_scale_up_works_on_this_machine_and_a_refusal_names_the_numbers(system):
+    cpus = system.system.config.worker_cpus
+    assert cpus * 4 <= os.cpu_count() + 1e-9
+    with system.client() as client:
+        reply = client.scale(decode=2)
+        assert (reply.prefill, reply.decode) == (1, 2)
+        done = client.chat("Name a river.", max_tokens=4, temperature=0)
+        assert len(done.token_ids) == 4
+        stats = client.stats()
+        assert all(w.threads >= 1 and w.cpus == pytest.approx(cpus) for w in stats.workers), stats
+        with pytest.raises(grpc.RpcError) as refused:
+            client.scale(decode=int(os.cpu_count() / cpus) + 1)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = refused.value.details()
+    free = os.cpu_count() - 3 * cpus
+    assert f"{cpus:g} CPU" in details and f"{free:g} CPU free of {os.cpu_count():g} CPU" in details, details
