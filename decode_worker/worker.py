@@ -31,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.telemetry import gpu_stats, rss_bytes
 from engine.worker_messages import (OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, WorkerInfo, WorkerLoad,
                                     encode_chunks)
-from engine.worker_runtime import describe, node_ip_address, start_engine
+from engine.worker_runtime import Parking, describe, node_ip_address, start_engine
 from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
 from kvtransfer.wire import host_port
@@ -71,6 +71,8 @@ class DecodeWorker:
         self._output_port = 0
         self._output_secret = secrets.token_hex(16)
         self._output_channel: Optional[asyncio.Queue] = None  # the current subscription's
+        self.parking = Parking()
+        self.receiver.reservations.before_payload = lambda request_id: self.parking.hold("transfer", request_id)
         self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output)
         self.loop.expecting_events = lambda: self.receiver.reservations.num_reserved_requests > 0
 
@@ -115,6 +117,7 @@ class DecodeWorker:
     # -- colocated path ------------------------------------------------------------------------
 
     async def admit_colocated(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        await self.parking.hold_async("queued", request_id)
         await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params))
 
     # -- both ----------------------------------------------------------------------------------
@@ -161,6 +164,16 @@ class DecodeWorker:
             self.loop.close_channel(channel)
             if self._output_channel is channel:
                 self._output_channel = None
+
+    async def park_at(self, phases: Sequence[str]) -> None:
+        """Tests only: see engine.worker_runtime.Parking."""
+        self.parking.arm(phases)
+
+    async def parked(self) -> dict[str, str]:
+        return dict(self.parking.parked)
+
+    async def release_parked(self) -> None:
+        self.parking.release()
 
     async def abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda: self._abort(request_id))
@@ -211,6 +224,8 @@ class DecodeWorker:
         return found
 
     def _on_output(self, output: RequestOutput) -> TokenChunk:
+        if output.num_output_tokens == 1:  # colocated: its prompt is computed, its first token not yet out
+            self.parking.hold("prefill", output.request_id)
         if output.finished:
             self._served += 1
         return TokenChunk(

@@ -34,7 +34,7 @@ only write into reserved blocks and note events for `poll`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,9 @@ class KVSender(ABC):
         self.epoch = epoch
         self.ledger = SenderLedger(allocator)
         self._staging = BufferPool()
+        # A transport that streams (grpc) calls this with the request id between a group's header and its
+        # payload (tests hold a transfer there: engine.worker_runtime.Parking).
+        self.between_header_and_payload: Optional[Callable[[str], None]] = None
 
     @abstractmethod
     def start(self, request_id: str, block_ids: Sequence[int], destination: Optional[str] = None,

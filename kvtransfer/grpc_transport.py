@@ -65,6 +65,7 @@ def _error_from_rpc(error: grpc.RpcError, request_id: str) -> errors.KVTransferE
 
 @dataclass
 class _OutgoingStream:
+    request_id: str
     destination: str
     frames: "queue.Queue[Optional[tuple[bytes, object, object]]]"
     call: Optional[grpc.Future] = None
@@ -91,7 +92,7 @@ class GrpcKVSender(KVSender):
         if not destination:
             raise ValueError("the grpc transport needs the receiver's host:port as destination")
         held = self.ledger.hold(request_id, list(block_ids), lease_s)
-        stream = _OutgoingStream(destination, queue.Queue())
+        stream = _OutgoingStream(request_id, destination, queue.Queue())
         held.transport_state = stream
         stream.call = self._channel(destination).stream_unary(PUSH_METHOD).future(self._frames(stream), timeout=lease_s)
         stream.call.add_done_callback(lambda call: self._on_done(request_id, call))
@@ -115,6 +116,8 @@ class GrpcKVSender(KVSender):
             header, data, buffer = item
             try:
                 yield header
+                if self.between_header_and_payload is not None:
+                    self.between_header_and_payload(stream.request_id)
                 view = memoryview(as_bytes_view(data))
                 for offset in range(0, len(view), self.chunk_bytes):
                     yield bytes(view[offset:offset + self.chunk_bytes])

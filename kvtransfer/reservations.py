@@ -56,6 +56,9 @@ class Reservations:
         self.clock = clock
         self._lock = threading.Lock()
         self._by_request: dict[str, _Reservation] = {}
+        # Called with the request id once a group's header passed `check`, before its payload is read
+        # (tests hold a transfer there: engine.worker_runtime.Parking).
+        self.before_payload: Optional[Callable[[str], None]] = None
 
     def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
         with self._lock:
@@ -95,6 +98,8 @@ class Reservations:
         reservation = self._get(header.request_id)
         with reservation.lock:
             self._check_locked(reservation, header)
+        if self.before_payload is not None:
+            self.before_payload(header.request_id)
 
     def _check_locked(self, reservation: _Reservation, header: KVGroupHeader) -> None:
         if reservation.error is not None:

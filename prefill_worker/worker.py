@@ -19,7 +19,7 @@ from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.telemetry import gpu_stats, rss_bytes
 from engine.worker_messages import PrefillResult, WorkerInfo, WorkerLoad
-from engine.worker_runtime import describe, start_engine
+from engine.worker_runtime import Parking, describe, start_engine
 from kvtransfer.registry import create_sender
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class PrefillWorker:
         self._requests: dict[str, _Prefilling] = {}
         self._served = 0
         self._last_step_started_s = time.monotonic()
+        self.parking = Parking()
+        self.sender.between_header_and_payload = lambda request_id: self.parking.hold("transfer", request_id)
         self.loop = EngineLoop(self.engine, hooks=(self._poll_sender,), on_output=self._on_output)
         self.loop.expecting_events = lambda: self.sender.ledger.num_held_requests > 0
 
@@ -52,6 +54,7 @@ class PrefillWorker:
         outputs = self.loop.listen(request_id)
         try:
             self._requests[request_id] = _Prefilling(destination, time.monotonic())
+            await self.parking.hold_async("queued", request_id)
             await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params, hand_off_after_prefill=True))
             result = await outputs.get()
         except BaseException:
@@ -69,6 +72,16 @@ class PrefillWorker:
 
     async def abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda: self._abort(request_id))
+
+    async def park_at(self, phases: Sequence[str]) -> None:
+        """Tests only: see engine.worker_runtime.Parking."""
+        self.parking.arm(phases)
+
+    async def parked(self) -> dict[str, str]:
+        return dict(self.parking.parked)
+
+    async def release_parked(self) -> None:
+        self.parking.release()
 
     async def load(self) -> WorkerLoad:
         gpus, gpu_note = gpu_stats()  # here, not on the engine thread: NVML calls take a while
@@ -91,6 +104,7 @@ class PrefillWorker:
             log.warning("KV handoff of request %s failed: %s", request_id, error)
 
     def _on_output(self, output: RequestOutput) -> PrefillResult:
+        self.parking.hold("prefill", output.request_id)
         request = self._requests.pop(output.request_id, None) or _Prefilling(None, time.monotonic())
         now = time.monotonic()
         prefill_s = self.loop.last_step_s

@@ -25,11 +25,13 @@ class RunningSystem:
             return client.stats()
 
     def wait_idle(self, timeout_s: float = 30):
-        """Stats once nothing is in flight and every worker's KV blocks are all free again."""
+        """Stats once nothing is in flight and every worker's KV blocks are all free again (a worker that
+        does not answer reports 0 of 0 blocks: it never counts as free)."""
         deadline = time.monotonic() + timeout_s
         while True:
             stats = self.stats()
-            settled = stats.requests_in_flight == 0 and all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+            settled = stats.requests_in_flight == 0 and all(
+                w.kv_blocks_total > 0 and w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
             if settled or time.monotonic() > deadline:
                 return stats
             time.sleep(0.2)
