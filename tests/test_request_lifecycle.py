@@ -103,32 +103,37 @@ def test_abort_mid_prefill_ends_the_stream_at_once_and_frees_everything(system):
 
 def test_the_same_request_id_twice_at_once_is_refused_and_the_first_is_untouched(system):
     with system.client() as client:
-        reference = client.generate(client.request("Count to twenty:", max_tokens=24, temperature=0,
-                                                   ignore_eos=True)).token_ids
-    tokens, first_token = [], threading.Event()
+        reference = list(client.generate(client.request("Count to twenty:", max_tokens=24, temperature=0,
+                                                        ignore_eos=True)).token_ids)
 
-    def first():
-        with system.client() as client:
-            for response in client.stream(client.request("Count to twenty:", request_id="same-id-1", max_tokens=24,
-                                                         temperature=0, ignore_eos=True)):
-                tokens.extend(response.token_ids)
-                first_token.set()
+    async def both_at_once(request_id: str):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{system.port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
 
-    thread = threading.Thread(target=first)
-    thread.start()
-    assert first_token.wait(30)
-    with system.client() as client:
-        started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as refused:
-            client.generate(client.request("Other words", request_id="same-id-1", max_tokens=4))
-    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS and "same-id-1" in refused.value.details()
-    status, body = _post(system, "/v1/completions", {"model": system.system.config.model_name, "prompt": "Hi",
-                                                     "max_tokens": 4, "stream": True},
-                         {"X-Request-Id": "same-id-1"})
-    assert time.monotonic() - started < 2.0
-    thread.join(60)
-    assert status == 409 and json.loads(body)["error"]["param"] == "X-Request-Id", (status, body)
-    assert tokens == list(reference)
+            async def one():
+                request = PdserveClient.request("Count to twenty:", request_id=request_id, max_tokens=24,
+                                                temperature=0, ignore_eos=True)
+                started, tokens = time.monotonic(), []
+                try:
+                    async for response in stub.Generate(request, timeout=60):
+                        tokens += response.token_ids
+                    return "ok", tokens, time.monotonic() - started
+                except grpc.aio.AioRpcError as error:
+                    return error.code(), error.details(), time.monotonic() - started
+
+            return await asyncio.gather(one(), one())
+
+    outcomes = sorted(asyncio.run(both_at_once("same-id-1")), key=lambda o: str(o[0]))
+    assert [o[0] for o in outcomes] == [grpc.StatusCode.ALREADY_EXISTS, "ok"], outcomes
+    refused, served = outcomes
+    assert "same-id-1" in refused[1] and refused[2] < 2.0
+    assert served[1] == reference
+    body = {"model": system.system.config.model_name, "prompt": "Count to twenty:", "max_tokens": 8, "stream": True}
+    with ThreadPoolExecutor(2) as pool:
+        statuses = sorted(pool.map(lambda _: _post(system, "/v1/completions", body, {"X-Request-Id": "same-id-2"}),
+                                   range(2)))
+    assert [status for status, _ in statuses] == [200, 409], statuses
+    assert json.loads(statuses[1][1])["error"]["param"] == "X-Request-Id"
     assert _all_free(system, 10)
 
 
