@@ -27,6 +27,7 @@ from kvtransfer.errors import LayoutMismatchError, WireFormatError, WireVersionE
 WIRE_VERSION = 2
 _MAX_HEADER_BYTES = 4096
 _LAYOUT_FIELDS = tuple(field.name for field in dataclasses.fields(KVLayout))
+_LAYOUT_TYPES = (int, int, int, int, str)  # KVLayout's fields, in order
 
 
 def checksum(payload: Any) -> int:
@@ -94,7 +95,7 @@ class KVGroupHeader:
                 request_id,
             )
         try:
-            layout = KVLayout(*fields["layout"])
+            layout = _layout(fields["layout"])
             header = cls(
                 request_id=_typed(fields, "request_id", str),
                 sender_id=_typed(fields, "sender_id", str),
@@ -136,6 +137,13 @@ class KVGroupHeader:
                 f"layers x {self.num_blocks} blocks",
                 self.request_id,
             )
+
+
+def _layout(values: Any) -> KVLayout:
+    """A layout as sent: a list of its fields, each of its own type (4.0 or True compare equal to 4 or 1)."""
+    if not isinstance(values, list) or len(values) != len(_LAYOUT_FIELDS):
+        raise TypeError(f"field 'layout' must be a list of {len(_LAYOUT_FIELDS)} values")
+    return KVLayout(*(_typed(dict(zip(_LAYOUT_FIELDS, values)), name, kind) for name, kind in zip(_LAYOUT_FIELDS, _LAYOUT_TYPES)))
 
 
 def _typed(fields: dict, name: str, kind: type) -> Any:

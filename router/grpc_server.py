@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from pdserve_proto import pdserve_pb2 as pb
@@ -47,6 +48,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         await self._authorize(context, admin=False)
+        await _refuse_undecodable(request, context)
         try:
             validated = validate(request, self.router.tokenizer, self.limits)
         except RequestValidationError as error:
@@ -72,6 +74,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Abort(self, request, context):
         await self._authorize(context, admin=False)
+        await _refuse_undecodable(request, context)
         return pb.AbortResponse(found=await self.router.abort(request.request_id))
 
     async def GetStats(self, request, context):
@@ -80,6 +83,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Scale(self, request, context):
         await self._authorize(context, admin=True)
+        await _refuse_undecodable(request, context)
         prefill = request.prefill if request.HasField("prefill") else None
         decode = request.decode if request.HasField("decode") else None
         try:
@@ -89,6 +93,41 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except WorkerStartError as error:  # no room for the new workers
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         return pb.ScaleResponse(prefill=ready_prefill, decode=ready_decode)
+
+
+class _Undecodable:
+    """A request whose bytes are not its message type: refused in the handler with INVALID_ARGUMENT (a
+    deserializer that raises makes gRPC answer UNKNOWN)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _tolerant(message_type) -> Callable[[bytes], object]:
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as error:
+            return _Undecodable(f"the request is not a valid {message_type.DESCRIPTOR.full_name}: {error}")
+
+    return parse
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+def _add_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """The generated `add_GenerationServicer_to_server`, with request parsing that never raises."""
+    methods = {"Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
+               "Abort": (grpc.unary_unary_rpc_method_handler, pb.AbortRequest, pb.AbortResponse),
+               "GetStats": (grpc.unary_unary_rpc_method_handler, pb.GetStatsRequest, pb.GetStatsResponse),
+               "Scale": (grpc.unary_unary_rpc_method_handler, pb.ScaleRequest, pb.ScaleResponse)}
+    handlers = {name: handler(getattr(servicer, name), request_deserializer=_tolerant(request),
+                              response_serializer=response.SerializeToString)
+                for name, (handler, request, response) in methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 def _response(request_id: str, item: StreamItem) -> "pb.GenerateResponse":
@@ -113,7 +152,7 @@ async def start_grpc_server(servicer: GenerationServicer, host: str, port: int,
     marks the system ready."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    _add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)

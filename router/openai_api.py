@@ -77,7 +77,17 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def parse_request(body: dict, chat: bool, served_model: str, request_id: str) -> ParsedRequest:
+    if _has_lone_surrogate(body):  # JSON's "\\ud800" escapes decode to text that no UTF-8 encoder takes
+        raise ApiError(400, "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not valid Unicode")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:

@@ -65,6 +65,8 @@ def validate(request, tokenizer: Tokenizer, limits: ValidationLimits) -> Validat
     if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
         raise RequestValidationError("request_id", f"must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
     prompt_ids = _prompt_ids(request, tokenizer, limits)
+    if not prompt_ids:
+        raise RequestValidationError("prompt", "encodes to no tokens")
     if len(prompt_ids) >= limits.max_context_tokens:
         raise RequestValidationError(
             "prompt", f"has {len(prompt_ids)} tokens; {limits.describe_context()} "

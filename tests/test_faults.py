@@ -14,6 +14,8 @@ import json
 import os
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -230,7 +232,7 @@ def _kill(system, role: str) -> str:
 
 
 def test_no_prefill_worker_left_is_unavailable_at_once(harness):
-    lonely = harness.start(num_prefill=1, num_decode=1)
+    lonely = harness.start(num_prefill=1, num_decode=1, http_port=0)
     try:
         lonely.system.pools._healer.cancel()  # keep it dead: this test is about the empty pool
         _kill(lonely, "prefill")
@@ -241,6 +243,14 @@ def test_no_prefill_worker_left_is_unavailable_at_once(harness):
                 client.generate(client.request(PROMPT, max_tokens=4, temperature=0))
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill" in failure.value.details()
         assert time.monotonic() - started < 15
+        # Over streaming HTTP, a failure before the first token is an error status with OpenAI's body, not a 200.
+        body = json.dumps({"model": lonely.system.config.model_name, "prompt": "Hi", "max_tokens": 4, "stream": True})
+        request = urllib.request.Request(f"http://127.0.0.1:{lonely.system.http_port}/v1/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as http_failure:
+            urllib.request.urlopen(request, timeout=30)
+        assert http_failure.value.code == 503
+        assert "prefill" in json.loads(http_failure.value.read())["error"]["message"]
         deadline = time.monotonic() + 2  # the failed attempt's reservation is handed back at once
         while (decode := next(w for w in lonely.stats().workers if w.role == "decode")).kv_blocks_free != decode.kv_blocks_total:
             assert time.monotonic() < deadline, decode

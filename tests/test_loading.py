@@ -87,11 +87,16 @@ def test_unknown_paths_and_bad_files_are_clear_errors(tmp_path, default_gguf):
         load_model(str(tmp_path / "hfdir"))
 
 
-def test_bf16_cpu_models_use_packed_linears_that_match_f_linear_bit_for_bit():
-    from engine.cpu_packing import PackedLinear, packing_supported
+def test_bf16_cpu_models_use_packed_linears_that_match_f_linear_bit_for_bit(monkeypatch):
+    from engine.cpu_packing import DISABLE_ENV, PackedLinear, packing_supported
 
-    if not packing_supported(torch.bfloat16, "cpu"):
-        pytest.skip("this CPU/torch build has no oneDNN bf16 packing")
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    # The pinned torch build (scripts/bootstrap.sh) must have oneDNN and the packing ops: a failure, not a skip.
+    assert torch.backends.mkldnn.is_available(), f"torch {torch.__version__} was built without oneDNN"
+    assert hasattr(torch.ops.mkldnn, "_reorder_linear_weight"), f"torch {torch.__version__} lacks mkldnn._reorder_linear_weight"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # a property of the CPU, not of the install
+        pytest.skip("this CPU lacks the ISA oneDNN needs for bf16 (x86: AVX-512 core or AVX2-VNNI-2; ARM: bf16)")
+    assert packing_supported(torch.bfloat16, "cpu")
     loaded = load_model("dummy:tiny", torch.bfloat16)
     packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * loaded.config.num_layers + 1  # qkv, o, gate_up, down per layer + the tied head

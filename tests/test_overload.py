@@ -1,6 +1,7 @@
-"""Overload and soak, bounded in count and time, loopback only: 200 concurrent streams against small
-queue limits (some refused with RESOURCE_EXHAUSTED, every accepted one exact, memory back to its
-baseline), then a steady load for a bounded time with no RSS growth beyond a stated bound."""
+"""Overload and soak, bounded in count and time, loopback only: 200 concurrent streams (gRPC, then
+streamed HTTP) against small queue limits (no more accepted than the limits allow, the rest refused at
+once with RESOURCE_EXHAUSTED / HTTP 429 + Retry-After, every accepted one exact, KV and counters back to
+zero), then a steady load for a bounded time with no RSS growth beyond a stated bound."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import time
 
+import aiohttp
 import grpc
 import pytest
 
@@ -18,6 +20,10 @@ from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
 PROMPTS = ["The sun is", "Rivers flow", "My favourite food is", "In the morning I"]
 STREAMS = 200
+MAX_IN_FLIGHT = 48
+MAX_WAITING_FOR_KV = 8
+# A refusal is decided before any work: it comes back within this, even as the 200th of a burst on 2 cores.
+REFUSAL_BOUND_S = 2.0
 SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "45"))
 RSS_BOUND_BYTES = 64 << 20  # allowed growth per process across the soak, after warm-up
 REPORT = {}
@@ -25,16 +31,18 @@ REPORT = {}
 
 @pytest.fixture(scope="module")
 def system(harness):
-    running = harness.start(num_prefill=1, num_decode=1, max_in_flight=48, max_waiting_for_kv=8)
+    running = harness.start(num_prefill=1, num_decode=1, max_in_flight=MAX_IN_FLIGHT,
+                            max_waiting_for_kv=MAX_WAITING_FOR_KV, http_port=0)
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="module")
 def references(system):
+    """Greedy 8-token answers, one request at a time: (token ids, text) per prompt."""
     with system.client() as client:
-        return {p: list(client.generate(client.request(p, max_tokens=8, temperature=0, ignore_eos=True)).token_ids)
-                for p in PROMPTS}
+        done = {p: client.generate(client.request(p, max_tokens=8, temperature=0, ignore_eos=True)) for p in PROMPTS}
+    return {p: (list(d.token_ids), d.text) for p, d in done.items()}
 
 
 async def _stream(stub, prompt: str) -> tuple[str, list[int]]:
@@ -45,15 +53,22 @@ async def _stream(stub, prompt: str) -> tuple[str, list[int]]:
             tokens += response.token_ids
         return "ok", tokens
     except grpc.aio.AioRpcError as error:
-        return error.code().name, [error.details()]
+        return error.code().name, [error.details(), dict(error.trailing_metadata() or ())]
 
 
-async def _burst(port: int, count: int) -> list[tuple[str, str, list[int]]]:
+async def _burst(port: int, count: int) -> list[tuple[str, str, list, float]]:
+    """`count` streams at once: (prompt, outcome, tokens or [details, trailers], seconds to the outcome)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.GenerationStub(channel)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(count)]
-        results = await asyncio.gather(*(_stream(stub, p) for p in prompts))
-    return [(p, kind, tokens) for p, (kind, tokens) in zip(prompts, results)]
+
+        async def timed(prompt: str):
+            started = time.monotonic()
+            kind, tokens = await _stream(stub, prompt)
+            return kind, tokens, time.monotonic() - started
+
+        results = await asyncio.gather(*(timed(p) for p in prompts))
+    return [(p, *result) for p, result in zip(prompts, results)]
 
 
 def _worker_rss(system) -> dict[str, int]:
@@ -61,23 +76,78 @@ def _worker_rss(system) -> dict[str, int]:
         system.system.worker_loads(), system.loop).result(30)}
 
 
+def _check_admission(accepted: int, refusals: list[str]) -> None:
+    """No more accepted than the limits hold; if the in-flight limit refused anyone, it was full then: its
+    requests were all accepted, bar those the KV-wait limit refused after admission."""
+    assert accepted + len(refusals) == STREAMS
+    assert 0 < len(refusals) and accepted <= MAX_IN_FLIGHT + MAX_WAITING_FOR_KV, (accepted, len(refusals))
+    assert all("retry later" in message for message in refusals)
+    waiting_refused = sum("--max-waiting" in message for message in refusals)
+    if any("--max-in-flight" in message for message in refusals):
+        assert accepted + waiting_refused >= MAX_IN_FLIGHT
+
+
+def _check_settled(system) -> None:
+    after = system.wait_idle()
+    assert after.requests_in_flight == 0
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in after.workers)
+    assert system.system.router.active == 0 and system.system.router.waiting_for_kv == 0
+
+
 def test_200_concurrent_streams_over_small_queues(system, references):
     baseline = system.wait_idle()
     started = time.monotonic()
     results = asyncio.run(_burst(system.port, STREAMS))
     elapsed_s = time.monotonic() - started
-    kinds = [kind for _, kind, _ in results]
-    refused = [tokens[0] for _, kind, tokens in results if kind == "RESOURCE_EXHAUSTED"]
+    kinds = [kind for _, kind, _, _ in results]
     assert set(kinds) <= {"ok", "RESOURCE_EXHAUSTED"}, set(kinds)
-    assert 0 < len(refused) < STREAMS
-    assert all("retry later" in message for message in refused)
-    assert all(tokens == references[prompt] for prompt, kind, tokens in results if kind == "ok")
-    after = system.wait_idle()
-    assert after.requests_in_flight == 0
-    assert all(w.kv_blocks_free == w.kv_blocks_total for w in after.workers)
-    assert system.system.router.active == 0 and system.system.router.waiting_for_kv == 0
+    refused = [(tokens[0], tokens[1], seconds) for _, kind, tokens, seconds in results if kind == "RESOURCE_EXHAUSTED"]
+    _check_admission(kinds.count("ok"), [message for message, _, _ in refused])
+    assert all(trailers.get("retry-after-s") == "1" for _, trailers, _ in refused)
+    slowest_refusal_s = max(seconds for _, _, seconds in refused)
+    assert slowest_refusal_s < REFUSAL_BOUND_S
+    assert all(tokens == references[prompt][0] for prompt, kind, tokens, _ in results if kind == "ok")
+    _check_settled(system)
     REPORT["burst"] = {"streams": STREAMS, "accepted": kinds.count("ok"), "refused": len(refused),
-                       "seconds": round(elapsed_s, 1), "completed_before": baseline.requests_completed}
+                       "slowest_refusal_s": round(slowest_refusal_s, 3), "seconds": round(elapsed_s, 1),
+                       "completed_before": baseline.requests_completed}
+
+
+async def _http_burst(port: int, model: str, count: int) -> list[tuple[str, int, dict, str, float]]:
+    """`count` streamed completions at once: (prompt, status, headers, text or error body, seconds)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async def one(prompt: str):
+            started = time.monotonic()
+            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+                raw = await response.text()
+                if response.status != 200:
+                    return prompt, response.status, dict(response.headers), raw, time.monotonic() - started
+                events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+                assert events[-1] == "[DONE]", raw[-300:]
+                chunks = [json.loads(e) for e in events[:-1]]
+                assert all("error" not in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length", raw[-300:]
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+                return prompt, response.status, dict(response.headers), text, time.monotonic() - started
+
+        return await asyncio.gather(*(one(PROMPTS[i % len(PROMPTS)]) for i in range(count)))
+
+
+def test_200_concurrent_http_streams_over_small_queues(system, references):
+    system.wait_idle()
+    results = asyncio.run(_http_burst(system.system.http_port, system.config.model_name, STREAMS))
+    statuses = [status for _, status, _, _, _ in results]
+    assert set(statuses) <= {200, 429}, set(statuses)
+    refused = [(headers, json.loads(body)["error"], seconds) for _, status, headers, body, seconds in results if status == 429]
+    _check_admission(statuses.count(200), [error["message"] for _, error, _ in refused])
+    assert all(headers.get("Retry-After") == "1" for headers, _, _ in refused)
+    assert all(error["type"] == "rate_limit_error" and error["code"] == "overloaded" for _, error, _ in refused)
+    assert max(seconds for _, _, seconds in refused) < REFUSAL_BOUND_S
+    assert all(text == references[prompt][1] for prompt, status, _, text, _ in results if status == 200)
+    _check_settled(system)
+    REPORT["http_burst"] = {"streams": STREAMS, "accepted": statuses.count(200), "refused": len(refused),
+                            "slowest_refusal_s": round(max(seconds for _, _, seconds in refused), 3)}
 
 
 def test_soak_keeps_memory_flat(system, references):
@@ -91,7 +161,7 @@ def test_soak_keeps_memory_flat(system, references):
                 while time.monotonic() < until_s:
                     prompt = PROMPTS[(index + done) % len(PROMPTS)]
                     kind, tokens = await _stream(stub, prompt)
-                    assert kind == "ok" and tokens == references[prompt], (kind, tokens)
+                    assert kind == "ok" and tokens == references[prompt][0], (kind, tokens)
                     done += 1
 
             await asyncio.gather(*(client(i) for i in range(8)))

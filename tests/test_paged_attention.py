@@ -13,11 +13,11 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model import Attention, ForwardBatch
 from engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-
 
 @pytest.fixture(scope="module")
 def kernel():
+    # The engine falls back to torch without a compiler; the tests do not: CI's machine has one.
+    assert shutil.which("cc") or shutil.which("gcc"), "no C compiler (cc or gcc) on PATH: the kernel cannot be tested"
     loaded = paged_attention.load_kernel()
     assert loaded is not None, "the kernel must build wherever a C compiler exists"
     return loaded

@@ -12,12 +12,11 @@ import pytest
 
 from pdserve.bench import BenchConfig, sweep
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1: (certificate, key) PEM paths."""
+    assert shutil.which("openssl"), "the openssl command is not on PATH: it makes the test certificate"
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
