@@ -114,7 +114,7 @@ BAD_REQUESTS = [
     (dict(prompt=""), "prompt.text"),
     (dict(), "prompt"),
     (dict(prompt="x" * (2 << 20)), "prompt.text"),
-    (dict(prompt="hello " * 9000), "context is 8192 tokens"),
+    (dict(prompt="hello " * 9000), "the model's is 8192"),  # and the server's, what a worker's KV cache holds
     (dict(prompt="hi", max_tokens=0), "sampling.max_tokens"),
     (dict(prompt="hi", temperature=-0.5), "sampling.temperature"),
     (dict(prompt="hi", top_p=0.0), "sampling.top_p"),
