@@ -133,12 +133,13 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "bfloat16", or "auto": bf16 where the hardware has it natively, else fp32
     device: str = "cpu"
     block_size_tokens: int = 16
-    kv_cache_bytes: int = 512 * 2**20
+    kv_cache_bytes: Optional[int] = 512 * 2**20  # None: sized from the node's free memory (engine.kv_cache)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    decode_interleave_tokens: Optional[int] = None  # engine.scheduler.SchedulerConfig
     enable_prefix_caching: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
     # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes text
@@ -149,10 +150,10 @@ class EngineConfig:
     def torch_dtype(self):
         from engine.weights import parse_dtype
 
-        return parse_dtype(self.dtype)
+        return parse_dtype(self.dtype, self.device)
 
     @property
     def scheduler(self):
         from engine.scheduler import SchedulerConfig
 
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.decode_interleave_tokens)

@@ -136,7 +136,6 @@ class EngineLoop:
         scheduler = self.engine.scheduler
         running = len(scheduler.running)
         self.max_batch_size_seen = max(self.max_batch_size_seen, running)
-        is_decode = not scheduler.waiting  # the scheduler runs prefills first when prompts wait
         started = time.monotonic()
         try:
             outputs = self.engine.step()
@@ -148,7 +147,7 @@ class EngineLoop:
             return
         self.num_steps += 1
         self.last_step_s = time.monotonic() - started
-        if is_decode:
+        if not self.engine.last_step_was_prefill:
             self.decode_steps += 1
             self.decode_steps_s += self.last_step_s
         for output in outputs:

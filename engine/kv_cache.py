@@ -9,7 +9,7 @@ blocks of one request, for all layers or a group of layers, export as one contig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -50,6 +50,31 @@ class KVLayout:
 
     def bytes_per_token(self) -> int:
         return self.bytes_per_block // self.block_size_tokens
+
+
+AUTO_KV_FRACTION = 0.10  # of the memory available on the node, per worker
+AUTO_KV_MAX_BYTES = 4 << 30  # as vLLM-CPU's default KV space
+AUTO_KV_MIN_BYTES = 256 << 20
+
+
+def auto_kv_cache_bytes() -> int:
+    """A worker's KV cache when none is configured: a tenth of the memory available on its node now
+    (as vLLM sizes its cache from free memory), between 256 MiB and 4 GiB."""
+    available = _available_memory_bytes()
+    if available is None:
+        return 512 << 20
+    return int(min(AUTO_KV_MAX_BYTES, max(AUTO_KV_MIN_BYTES, available * AUTO_KV_FRACTION)))
+
+
+def _available_memory_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class PagedKVCache:

@@ -21,7 +21,7 @@ import torch
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVLayout, PagedKVCache
+from engine.kv_cache import KVLayout, PagedKVCache, auto_kv_cache_bytes
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -64,7 +64,8 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.layout = KVLayout.for_model(self.model_config, config.block_size_tokens, config.torch_dtype)
-        num_blocks = PagedKVCache.num_blocks_for_bytes(self.layout, config.kv_cache_bytes)
+        kv_cache_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else auto_kv_cache_bytes()
+        num_blocks = PagedKVCache.num_blocks_for_bytes(self.layout, kv_cache_bytes)
         self.kv_cache = PagedKVCache(self.layout, num_blocks, config.device)
         self.allocator = BlockAllocator(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
         # The longest sequence (prompt + output) this engine serves: the model's context, unless its KV
@@ -75,7 +76,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.special.eos_token_ids) if self.tokenizer else frozenset()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._held: dict[str, Sequence] = {}  # prefilled, KV kept until the handoff is released
+        self._held: dict[str, Sequence] = {}
+        self.last_step_was_prefill = False  # prefilled, KV kept until the handoff is released
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -178,6 +180,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        self.last_step_was_prefill = batch.is_prefill
         if batch.is_prefill:
             logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
             sampled_seqs = self.scheduler.after_prefill(batch)

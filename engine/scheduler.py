@@ -1,8 +1,10 @@
 """Continuous batching: which sequences run in the next forward pass.
 
-Policy (vLLM's classic one): if prompts are waiting and fit, run a prefill batch of them under a token
-budget, chunking a prompt that does not fit the budget; otherwise run one decode step over every
-running sequence. Sequences join and leave the running batch between steps. When a decode step needs
+Policy: if prompts are waiting and fit, run a prefill batch of them under a token budget, chunking a
+prompt that does not fit the budget; otherwise run one decode step over every running sequence. While
+sequences are decoding, prefill is interleaved instead (with `decode_interleave_tokens`): a prefill step
+takes at most that many prompt tokens and is always followed by a decode step, so a long prompt
+arriving on a busy worker delays each running stream by one chunk at a time, not by its whole prefill. Sequences join and leave the running batch between steps. When a decode step needs
 a block and none is free, the most recently started sequence is preempted: its blocks are freed and
 it is recomputed later (prefix caching makes that cheap).
 """
@@ -21,10 +23,15 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prompt tokens per prefill step while sequences are decoding, each such step followed by a decode
+    # step; None: prefill-first with the whole budget (vLLM's classic policy), decodes wait.
+    decode_interleave_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
+            raise ValueError(f"decode_interleave_tokens must be >= 1, got {self.decode_interleave_tokens}")
 
 
 @dataclass
@@ -41,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._prefilled_last = False  # the last step was a prefill (interleaving: a decode step comes next)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -54,10 +62,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Optional[ScheduledBatch]:
-        return self._schedule_prefill() or self._schedule_decode()
+        interleave = self.config.decode_interleave_tokens
+        if interleave is None or not self.running:
+            batch = self._schedule_prefill(self.config.max_num_batched_tokens) or self._schedule_decode()
+        elif self._prefilled_last:
+            batch = self._schedule_decode() or self._schedule_prefill(interleave)
+        else:
+            batch = self._schedule_prefill(min(interleave, self.config.max_num_batched_tokens)) or self._schedule_decode()
+        self._prefilled_last = batch is not None and batch.is_prefill
+        return batch
 
-    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
-        budget = self.config.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int) -> Optional[ScheduledBatch]:
         seqs, chunks = [], []
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(seqs) >= self.config.max_num_seqs:

@@ -30,10 +30,23 @@ class LoadedModel:
     source: str
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """A dtype by name; "auto" is the one that is fast where it runs (`auto_dtype`)."""
+    if name == "auto":
+        return auto_dtype(device)
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def auto_dtype(device: str = "cpu") -> torch.dtype:
+    """bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX); fp32 elsewhere, where torch
+    emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32, docs/benchmarks.md)."""
+    if str(device).startswith("cuda"):
+        return torch.bfloat16
+    cpu = torch._C._cpu
+    native = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+    return torch.bfloat16 if native else torch.float32
 
 
 def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> LoadedModel:

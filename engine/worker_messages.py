@@ -69,6 +69,7 @@ class WorkerInfo:
     vocab_size: int
     model_context_tokens: int = 0  # the model's own context
     num_threads: int = 1  # torch threads the worker computes with
+    dtype: str = "float32"  # the serving dtype, "auto" resolved: every worker of a system must agree
 
 
 @dataclass(frozen=True)

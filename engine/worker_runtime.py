@@ -42,15 +42,17 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     gc.collect()
     gc.freeze()
     kernel = engine.loaded.model.layers[0].self_attn.decode_kernel
-    log.info("engine ready: model %s, %s, %d threads, %d KV blocks, decode attention: %s", config.model, config.dtype,
-             threads, engine.allocator.num_blocks, "paged kernel" if kernel is not None else "torch (gather + SDPA)")
+    log.info("engine ready: model %s, %s (asked: %s; CPU: %s), %d threads, %d KV blocks (%d tokens), decode "
+             "attention: %s", config.model, engine.layout.dtype, config.dtype, torch.backends.cpu.get_cpu_capability(),
+             threads, engine.allocator.num_blocks, engine.allocator.num_blocks * config.block_size_tokens, "paged kernel" if kernel is not None else "torch (gather + SDPA)")
     return engine
 
 
 def describe(engine: LLMEngine, worker_id: str, role: str, kv_address: Optional[str]) -> WorkerInfo:
     """The worker's `info()`: who it is and what it can serve."""
     return WorkerInfo(worker_id, role, node_name(), kv_address, engine.allocator.num_blocks, engine.max_model_len,
-                      engine.model_config.vocab_size, engine.model_config.max_context_tokens, torch.get_num_threads())
+                      engine.model_config.vocab_size, engine.model_config.max_context_tokens, torch.get_num_threads(),
+                      engine.layout.dtype)
 
 
 def node_name() -> str:

@@ -12,7 +12,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="run the engine in this process and stream the generated text to stdout")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--model", default="default", help="'default', a .gguf file, an HF model directory, or dummy:<shape>")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -55,7 +56,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     p.add_argument("--transport", default="ray", choices=["ray", "grpc"], help="how KV moves between workers")
     p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
     p.add_argument("--address", default="local", help="'local' starts Ray here; 'auto' or host:port joins a cluster")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
@@ -66,7 +68,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "cores with one thread each; on a cluster 1); a worker computes with its whole CPUs as threads")
     p.add_argument("--worker-start-timeout-s", type=float, default=300.0,
                    help="give up on new workers not ready by then (no room on the cluster?)")
-    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="KV cache per worker (default: a tenth of the node's available memory, at most 4 GiB)")
+    p.add_argument("--pd-policy", default="auto", choices=["auto", "remote", "local"],
+                   help="where a disaggregated request prefills: remote (the prefill pool), local (its decode worker, "
+                        "interleaved with decoding), auto (local for short prompts or when the prefill queue is longer)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=64, help="auto: prompts this short prefill locally")
+    p.add_argument("--pd-queue-margin-tokens", type=int, default=256,
+                   help="auto: prefill locally when the prefill pool's queue exceeds the decode worker's by this")
+    p.add_argument("--decode-interleave-tokens", type=int, default=256,
+                   help="prompt tokens a decode/colocated worker prefills between two decode steps (0: prefill first)")
     p.add_argument("--autoscale", action="store_true", help="grow/shrink each pool from queue time, TTFT and KV use")
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=4)
@@ -97,7 +108,10 @@ def _serve_config(args: argparse.Namespace, **overrides):
                   num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
                   worker_start_timeout_s=args.worker_start_timeout_s,
                   address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,
-                  kv_cache_bytes=args.kv_cache_mib << 20, http_port=args.http_port,
+                  kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+                  pd_policy=args.pd_policy, local_prefill_max_tokens=args.local_prefill_max_tokens,
+                  pd_queue_margin_tokens=args.pd_queue_margin_tokens,
+                  decode_interleave_tokens=args.decode_interleave_tokens or None, http_port=args.http_port,
                   served_model_name=args.served_model_name, api_keys=_api_keys(args.api_key),
                   admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,
                   insecure=args.insecure, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -249,7 +263,8 @@ def _scale(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="start a local 1 prefill + 1 decode system, send a few chat prompts, stop")
     p.add_argument("--transport", default="ray", choices=["ray", "grpc"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
     p.set_defaults(handler=_demo)
 
 

@@ -93,6 +93,7 @@ class PoolManager:
                 f"{role}: {count} new worker(s) were not ready within {self.config.worker_start_timeout_s:.0f} s "
                 f"(each needs {options}; free on the cluster now: {_free_summary(ray.available_resources())})") from None
         handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
+        self._check_agreement(role, actors, infos)
         if role != "prefill":  # subscribed to their tokens before any request can be routed to them
             watched = await asyncio.gather(*(self.router.watch(handle) for handle in handles), return_exceptions=True)
             failures = [result for result in watched if isinstance(result, BaseException)]
@@ -105,6 +106,19 @@ class PoolManager:
         self._pool(role).workers.extend(handles)
         log.info("%s pool: %d worker(s) joined: %s", role, count, ", ".join(h.worker_id for h in handles))
         return handles
+
+    def _check_agreement(self, role: str, actors: list, infos: list) -> None:
+        """Every worker of a system serves one dtype ("auto" resolves per node): a worker that differs
+        would fail each KV handoff's layout check, so it never joins."""
+        import ray
+
+        known = [w.info for pool in (self.router.prefill_pool, self.router.decode_pool) for w in pool.workers]
+        dtypes = sorted({info.dtype for info in known + list(infos)})
+        if len(dtypes) > 1:
+            for actor in actors:
+                ray.kill(actor)
+            raise WorkerStartError(f"{role}: workers would serve different dtypes ({', '.join(dtypes)}): their nodes' "
+                                   "CPUs differ under --dtype auto; pass --dtype float32 or bfloat16")
 
     def _check_room(self, role: str, count: int, options: dict) -> None:
         import ray

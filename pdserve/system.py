@@ -26,7 +26,7 @@ TRANSPORTS = ("ray", "grpc")
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "default"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 where the workers' hardware has it natively, else fp32 (engine.weights.auto_dtype)
     mode: str = "disaggregated"
     transport: str = "ray"
     num_prefill: int = 1
@@ -41,11 +41,17 @@ class ServeConfig:
     # Where decode workers bind their token stream to the router and their gRPC KV receiver: "auto" is
     # 127.0.0.1 on a local node and each worker's node address on a cluster.
     kv_host: str = "auto"
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: Optional[int] = None  # per worker; None: a tenth of its node's available memory (<= 4 GiB)
     kv_timeout_s: float = 30.0  # a KV reservation's and a handoff lease's life (router.router.RouterConfig)
     block_size_tokens: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Decode and colocated workers prefill at most this many prompt tokens between two decode steps
+    # while streams are decoding (engine.scheduler); None: prefill-first, streams wait for whole prompts.
+    decode_interleave_tokens: Optional[int] = 256
+    pd_policy: str = "auto"  # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
+    local_prefill_max_tokens: int = 64  # auto: prompts this short prefill on their decode worker
+    pd_queue_margin_tokens: int = 256  # auto: go local when the prefill queue is this much longer
     object_store_bytes: int = 512 << 20
     autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
     http_port: Optional[int] = None  # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
@@ -86,6 +92,11 @@ class ServeConfig:
             raise ValueError("need at least one decode worker, and one prefill worker when disaggregated")
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ValueError(f"--cpus-per-worker must be positive, got {self.cpus_per_worker}")
+        from router.pd_policy import PDPolicyConfig
+
+        PDPolicyConfig(self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens)  # checks them
+        if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
+            raise ValueError(f"--decode-interleave-tokens must be >= 1, got {self.decode_interleave_tokens}")
         if self.kv_timeout_s <= 0:
             raise ValueError(f"kv_timeout_s must be positive, got {self.kv_timeout_s}")
         if self.stream_interval < 1:
@@ -119,7 +130,8 @@ class ServeConfig:
 
         return EngineConfig(model=self.model, dtype=self.dtype, block_size_tokens=self.block_size_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens)
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            decode_interleave_tokens=self.decode_interleave_tokens)
 
 
 def _uvloop():
@@ -242,6 +254,7 @@ async def start_system(config: ServeConfig) -> System:
     from pdserve.pools import AutoscaleLoop, PoolManager
     from router.grpc_server import GenerationServicer, mark_serving, start_grpc_server
     from router.overload import AdmissionLimits
+    from router.pd_policy import PDPolicyConfig
     from router.pool import WorkerPool
     from router.router import Router, RouterConfig
     from router.validation import ValidationLimits
@@ -250,8 +263,9 @@ async def start_system(config: ServeConfig) -> System:
     tokenizer = load_tokenizer(config.model)
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
+    pd = PDPolicyConfig(config.pd_policy, config.local_prefill_max_tokens, config.pd_queue_margin_tokens)
     router = Router(RouterConfig(config.mode, kv_timeout_s=config.kv_timeout_s, limits=admission,
-                                 stream_interval=config.stream_interval), tokenizer,
+                                 stream_interval=config.stream_interval, pd=pd), tokenizer,
                     WorkerPool("prefill"), WorkerPool(decode_role))
     pools = PoolManager(config, router, epoch=int(time.time()))
     await asyncio.gather(pools.add_workers(decode_role, config.num_decode),

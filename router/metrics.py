@@ -58,6 +58,9 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=self.registry)
         self.migrations = Counter("pdserve_migrations", "Requests re-run on healthy workers after a worker died under them",
                                   registry=self.registry)
+        self.pd_decisions = Counter("pdserve_pd_decision", "Where disaggregated requests were prefilled: path "
+                                    "remote (the prefill pool) or local (their decode worker), and why "
+                                    "(router/pd_policy.py)", ["path", "reason"], registry=self.registry)
         self.snapshot = Snapshot()
         self.registry.register(_PoolCollector(self))
 

@@ -14,6 +14,7 @@ class WorkerHandle:
     actor: Any  # a Ray actor handle
     info: WorkerInfo
     in_flight: int = 0  # requests this router has routed here and not seen finish
+    queued_prompt_tokens: int = 0  # prompt tokens routed here to prefill whose first token has not come back
     state: str = "ready"  # "ready", "draining", "stopping" or "dead"
     kv_blocks_free: Optional[int] = None  # refreshed from the worker's load reports
     last_heard_s: float = 0.0  # time.monotonic() of its last sign of life: a call answered, a step of tokens
@@ -32,11 +33,12 @@ class WorkerPool:
         return [w for w in self.workers if w.state == "ready"]
 
     def pick(self, exclude: tuple[str, ...] = ()) -> WorkerHandle:
-        """The ready worker with the fewest of our requests; ties go to the one with most free KV."""
+        """The ready worker with the fewest prompt tokens waiting to be prefilled, then the fewest of our
+        requests; ties go to the one with most free KV."""
         candidates = [w for w in self.ready() if w.worker_id not in exclude]
         if not candidates:
             raise NoWorkerError(f"no ready {self.role} worker")
-        return min(candidates, key=lambda w: (w.in_flight, -(w.kv_blocks_free or 0)))
+        return min(candidates, key=lambda w: (w.queued_prompt_tokens, w.in_flight, -(w.kv_blocks_free or 0)))
 
 
 class NoWorkerError(RuntimeError):

@@ -28,6 +28,7 @@ from engine.worker_messages import (OUTPUT_STREAM_METHOD, OUTPUT_STREAM_VERSION,
                                     decode_chunks)
 from router.metrics import RouterMetrics
 from router.overload import AdmissionLimits, OverloadedError
+from router.pd_policy import Decision, PDPolicyConfig, decide
 from router.pool import NoWorkerError, WorkerHandle, WorkerPool
 from router.validation import ValidatedRequest
 
@@ -101,6 +102,7 @@ class RouterConfig:
     # Decode tokens a request's message waits for (SGLang's --stream-interval): 1 sends each step's token
     # at once; N sends every N-th step, N times fewer messages for the router, less smooth for the client.
     stream_interval: int = 1
+    pd: PDPolicyConfig = PDPolicyConfig()  # where a disaggregated request is prefilled (router/pd_policy.py)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -351,12 +353,14 @@ class Router:
                          progress: _Progress) -> AsyncIterator[StreamItem]:
         """Runs the mode's flow; when a worker dies under the request, re-runs prompt + tokens so far on
         healthy workers (the client sees only latency; greedy and seeded output stay the same)."""
-        flow = self._disaggregated if self.config.mode == "disaggregated" else self._colocated
         attempt = 0
         while True:
             wid = request.request_id if attempt == 0 else f"{request.request_id}~{attempt}"
             prompt_ids = request.prompt_ids + progress.token_ids
             params = dataclasses.replace(request.params, max_tokens=request.params.max_tokens - len(progress.token_ids))
+            flow = self._colocated
+            if self.config.mode == "disaggregated" and self._place(len(prompt_ids)).path == "remote":
+                flow = self._disaggregated
             try:
                 async for item in flow(record, wid, prompt_ids, params, progress):
                     yield item
@@ -371,25 +375,45 @@ class Router:
                 self.metrics.migrations.inc()
                 log.warning("%s; migrating with %d tokens so far (attempt %d)", lost, len(progress.token_ids), attempt + 1)
 
+    def _place(self, prompt_tokens: int) -> Decision:
+        """Where a disaggregated request's prompt is prefilled: the prefill pool, or its decode worker."""
+        remote = min((w.queued_prompt_tokens for w in self.prefill_pool.ready()), default=None)
+        local = min((w.queued_prompt_tokens for w in self.decode_pool.ready()), default=0)
+        decision = decide(self.config.pd, prompt_tokens, remote, local)
+        self.metrics.pd_decisions.labels(decision.path, decision.reason).inc()
+        return decision
+
     async def _disaggregated(self, record: _Request, wid: str, prompt_ids: list[int], params,
                              progress: _Progress) -> AsyncIterator[StreamItem]:
-        self.prefill_pool.pick()  # no prefill worker: fail at once (UNAVAILABLE), before reserving anything
-        decode = await self._reserve_decode(record, wid, len(prompt_ids))
+        # The prompt counts in its prefill worker's queue from now, so the next request's placement
+        # (`_place`) sees it; no prefill worker: UNAVAILABLE at once, before reserving anything.
+        queued = len(prompt_ids)
+        prefill = self.prefill_pool.pick()
+        prefill.queued_prompt_tokens += queued
         try:
-            prefill = self.prefill_pool.pick()
-        except NoWorkerError:
-            self._fire(decode.actor.abort.remote(wid))  # frees the reservation now rather than at its timeout
-            raise
-        route = self._track(record, wid, prefill, decode)
-        # The reservation's clock is renewed while the prompt waits in the prefill queue: a long queue
-        # must never expire it (its timeout is for KV that stopped coming, not for KV not yet computed).
-        timeout_s = self.config.kv_timeout_s
-        try:
-            result: Optional[PrefillResult] = await self._call(
-                prefill, prefill.actor.prefill.remote(wid, prompt_ids, params, decode.info.kv_address), record,
-                every_s=timeout_s / 3, tick=lambda: self._fire(decode.actor.renew.remote(wid, timeout_s)))
+            decode = await self._reserve_decode(record, wid, queued)
+            if prefill.state != "ready":  # it began draining or died while we reserved: another one
+                prefill.queued_prompt_tokens -= queued
+                queued = 0
+                try:
+                    prefill = self.prefill_pool.pick()
+                except NoWorkerError:
+                    self._fire(decode.actor.abort.remote(wid))  # frees the reservation now, not at its timeout
+                    raise
+                queued = len(prompt_ids)
+                prefill.queued_prompt_tokens += queued
+            route = self._track(record, wid, prefill, decode)
+            # The reservation's clock is renewed while the prompt waits in the prefill queue: a long queue
+            # must never expire it (its timeout is for KV that stopped coming, not for KV not yet computed).
+            timeout_s = self.config.kv_timeout_s
+            try:
+                result: Optional[PrefillResult] = await self._call(
+                    prefill, prefill.actor.prefill.remote(wid, prompt_ids, params, decode.info.kv_address), record,
+                    every_s=timeout_s / 3, tick=lambda: self._fire(decode.actor.renew.remote(wid, timeout_s)))
+            finally:
+                prefill.in_flight -= 1
         finally:
-            prefill.in_flight -= 1
+            prefill.queued_prompt_tokens -= queued
         if result is None:  # the prefill worker was told to abort it
             raise RequestAborted()
         progress.prefill = result
@@ -464,12 +488,21 @@ class Router:
 
     async def _colocated(self, record: _Request, wid: str, prompt_ids: list[int], params,
                          progress: _Progress) -> AsyncIterator[StreamItem]:
+        """The whole request on one worker: a colocated worker, or a disaggregated system's decode worker
+        prefilling it locally (router/pd_policy.py)."""
         worker = self.decode_pool.pick()
         route = self._track(record, wid, None, worker)
-        await self._call(worker, worker.actor.admit_colocated.remote(wid, prompt_ids, params), record)
-        async for chunk in self._chunks(route, coalesce=not params.stop):
-            progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)
-            yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker)
+        queued = len(prompt_ids)  # until its first token: the worker's local prefill queue
+        worker.queued_prompt_tokens += queued
+        try:
+            await self._call(worker, worker.actor.admit_colocated.remote(wid, prompt_ids, params), record)
+            async for chunk in self._chunks(route, coalesce=not params.stop):
+                worker.queued_prompt_tokens -= queued
+                queued = 0
+                progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)
+                yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker)
+        finally:
+            worker.queued_prompt_tokens -= queued
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -59,7 +59,10 @@ class Harness:
             # sizes the local cluster's CPU count: max(this machine's cores, num_cpus)
             init_ray(ServeConfig(num_prefill=1, num_decode=max(1, self._num_cpus - 1), cpus_per_worker=1.0))
             self._ray_started = True
-        return RunningSystem(self.loop, ServeConfig(**{"port": 0, "kv_cache_bytes": 64 << 20, **config}))
+        # fp32 unless told: the tests compare with HF transformers in fp32, whatever this CPU prefers; every
+        # disaggregated request through the prefill pool unless told (tests of the local path ask for it)
+        defaults = {"port": 0, "kv_cache_bytes": 64 << 20, "dtype": "float32", "pd_policy": "remote"}
+        return RunningSystem(self.loop, ServeConfig(**{**defaults, **config}))
 
     def close(self) -> None:
         import ray

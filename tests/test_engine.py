@@ -160,3 +160,22 @@ def test_a_kv_cache_smaller_than_the_context_bounds_what_is_served(tiny):
     outputs = list(engine.run_until_done())
     assert outputs[-1].finish_reason == "length" and len(outputs) == 48 - 10
     assert engine.scheduler.num_preemptions == 0 and engine.allocator.num_free_blocks == 6
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_natively(tiny):
+    from engine.weights import auto_dtype, parse_dtype
+
+    native = torch._C._cpu._is_avx512_bf16_supported() or torch._C._cpu._is_amx_tile_supported()
+    assert auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+    assert auto_dtype("cuda") == torch.bfloat16
+    assert parse_dtype("auto") == auto_dtype("cpu")
+    with pytest.raises(ValueError, match="auto, float32"):
+        parse_dtype("float8")
+
+
+def test_an_unset_kv_cache_is_sized_from_available_memory(tiny):
+    from engine.kv_cache import AUTO_KV_MAX_BYTES, AUTO_KV_MIN_BYTES, _available_memory_bytes, auto_kv_cache_bytes
+
+    size = auto_kv_cache_bytes()
+    assert AUTO_KV_MIN_BYTES <= size <= AUTO_KV_MAX_BYTES
+    assert size == min(AUTO_KV_MAX_BYTES, max(AUTO_KV_MIN_BYTES, int(_available_memory_bytes() * 0.1)))

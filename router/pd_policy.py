@@ -1,0 +1,53 @@
+"""Conditional disaggregation: where a disaggregated system prefills a request.
+
+`remote`: on the prefill pool, its KV shipped to the decode worker (the default path). `local`: on the
+decode worker that will decode it, interleaved with the streams it is decoding (the engine runs a
+chunk of at most `decode_interleave_tokens` prompt tokens between decode steps), nothing shipped.
+DistServe, Dynamo and llm-d decide the same way: a prompt goes local when that is cheaper than the
+remote path, i.e. when it is short (a handoff costs more than it saves), or when the prefill pool's
+queue is longer than the decode worker's own, so the prompt would start sooner there. The decision is
+a pure function of numbers the router already keeps (prompt tokens queued per worker), so it costs
+no worker call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+POLICIES = ("auto", "remote", "local")
+
+
+@dataclass(frozen=True)
+class PDPolicyConfig:
+    policy: str = "auto"  # "remote": always the prefill pool; "local": always the decode worker
+    local_max_prompt_tokens: int = 64  # auto: prompts this short prefill where they decode
+    # auto: go local when the prefill pool's shortest queue exceeds the decode worker's own queue (its
+    # local prompts not yet prefilled) plus this prompt by this many tokens
+    queue_margin_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--pd-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.local_max_prompt_tokens < 0 or self.queue_margin_tokens < 0:
+            raise ValueError("local_max_prompt_tokens and queue_margin_tokens must be >= 0")
+
+
+class Decision(NamedTuple):
+    path: str  # "remote" or "local"
+    reason: str  # "policy", "short_prompt", "prefill_queue", "no_prefill_worker" or "default"
+
+
+def decide(config: PDPolicyConfig, prompt_tokens: int, remote_queue_tokens: int | None,
+           local_queue_tokens: int) -> Decision:
+    """`remote_queue_tokens`: prompt tokens queued on the least busy ready prefill worker (None when
+    the pool has none); `local_queue_tokens`: those queued for local prefill on the decode worker."""
+    if config.policy != "auto":
+        return Decision(config.policy, "policy")
+    if remote_queue_tokens is None:
+        return Decision("local", "no_prefill_worker")
+    if prompt_tokens <= config.local_max_prompt_tokens:
+        return Decision("local", "short_prompt")
+    if remote_queue_tokens >= local_queue_tokens + prompt_tokens + config.queue_margin_tokens:
+        return Decision("local", "prefill_queue")
+    return Decision("remote", "default")
