@@ -44,8 +44,7 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
     emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32, docs/benchmarks.md)."""
     if str(device).startswith("cuda"):
         return torch.bfloat16
-    cpu = torch._C._cpu
-    native = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return torch.bfloat16 if native else torch.float32
 
 

@@ -165,7 +165,7 @@ def test_a_kv_cache_smaller_than_the_context_bounds_what_is_served(tiny):
 def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_natively(tiny):
     from engine.weights import auto_dtype, parse_dtype
 
-    native = torch._C._cpu._is_avx512_bf16_supported() or torch._C._cpu._is_amx_tile_supported()
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     assert auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
     assert auto_dtype("cuda") == torch.bfloat16
     assert parse_dtype("auto") == auto_dtype("cpu")
