@@ -36,7 +36,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from engine.kv_cache import KVLayout  # noqa: E402
-from kvtransfer.testing import KVEndWorker  # noqa: E402
+from tests.kv_ends import KVEndWorker  # noqa: E402
 
 BLOCK_SIZE_TOKENS = 16
 SHAPES = {

@@ -9,7 +9,8 @@
 #        "pd-auto:--prefill 1 --decode 1" "colocated:--mode colocated --decode 2" vllm:float32
 # PDSERVE_PYTHONPATH runs another checkout's pdserve with this venv (a same-run baseline of older code).
 set -euo pipefail
-ANCHOR="$(cd "$(dirname "$0")/../.." && pwd)/shared/anchors/vllm-cpu.sh"
+ANCHOR="${VLLM_ANCHOR:-$(cd "$(dirname "$0")/../.." && pwd)/shared/anchors/vllm-cpu.sh}"  # the project's shared/ beside it
+[ -f "$ANCHOR" ] || { echo "no $ANCHOR: set VLLM_ANCHOR" >&2; exit 2; }
 WORK=$1; OUT=$2; RATE=$3; N=$4; shift 4
 PY=${PY:-.venv/bin/python}
 PORT=18000
@@ -32,11 +33,13 @@ for system in "$@"; do
         continue
     fi
     # shellcheck disable=SC2086
+    trap 'kill -INT "$server" 2>/dev/null' EXIT
     PYTHONPATH="${PDSERVE_PYTHONPATH:-}" "$PY" -m pdserve.cli serve --port 0 --http-port "$PORT" \
         --served-model-name smollm2 $flags > "$OUT/$name.log" 2>&1 &
     server=$!
     for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
     measure "$name" "http://127.0.0.1:$PORT"
     kill -INT "$server"; wait "$server" || true
+    trap - EXIT
     sleep 3
 done

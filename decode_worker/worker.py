@@ -15,7 +15,6 @@ loop thread.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
@@ -25,34 +24,44 @@ from typing import AsyncIterator, Optional, Sequence
 import grpc
 import msgpack
 
-from engine.engine_loop import EngineLoop
+from engine.block_manager import OutOfBlocksError
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.telemetry import gpu_stats, rss_bytes
-from engine.worker_messages import (OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, WorkerInfo, WorkerLoad,
-                                    encode_chunks)
-from engine.worker_runtime import Parking, describe, node_ip_address, start_engine
 from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
-from kvtransfer.wire import host_port
+from protocol.addresses import host_port
+from protocol.messages import WorkerInfo, WorkerLoad
+from protocol.token_stream import OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, encode_chunks
+from runtime.engine_loop import EngineLoop
+from runtime.parking import Parking, ParkingEndpoints
+from runtime.startup import describe, node_ip_address, start_engine
+from runtime.telemetry import load_report
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Awaiting:  # generate() was called; the KV is not ready yet
+class _Admission:  # what `admit` brings: the request as it decodes here
     prompt_ids: list[int]
     first_token_id: int
     params: SamplingParams
 
 
 @dataclass
-class _Ready:  # the KV is ready; generate() has not been called yet
-    block_ids: list[int]
-    deadline_s: float
+class _Handoff:
+    """A disaggregated request on this worker from its reservation to its first decoded chunk. It joins
+    the running batch once both its admission and its KV are here, in either order; ready KV that is not
+    admitted within `timeout_s` is freed."""
+
+    timeout_s: float
+    admission: Optional[_Admission] = None
+    block_ids: Optional[list[int]] = None  # set once the KV is ready and verified (the blocks are ours then)
+    kv_ready_wall_s: Optional[float] = None  # time.time() it became ready: reported on the first chunk
+    unclaimed_deadline_s: float = 0.0
+    decoding: bool = False
 
 
-class DecodeWorker:
+class DecodeWorker(ParkingEndpoints):
     def __init__(self, worker_id: str, config: EngineConfig, transport: str, kv_host: Optional[str] = "127.0.0.1",
                  role: str = "decode"):
         self.worker_id = worker_id
@@ -61,10 +70,7 @@ class DecodeWorker:
         kv_host = kv_host or node_ip_address()  # None: this node's address (on a cluster)
         receiver_options = {"host": kv_host, "port": 0} if transport == "grpc" else {}
         self.receiver = create_receiver(transport, self.engine.kv_cache, self.engine.allocator, **receiver_options)
-        self._awaiting: dict[str, _Awaiting] = {}
-        self._ready: dict[str, _Ready] = {}
-        self._timeouts_s: dict[str, float] = {}
-        self._kv_ready_wall_s: dict[str, float] = {}  # reported once, on the request's first chunk
+        self._handoffs: dict[str, _Handoff] = {}  # engine thread only
         self._served = 0
         self._kv_host = kv_host  # the token stream binds where the KV receiver does
         self._output_server = None  # grpc.aio.Server, started on the actor's event loop by output_address
@@ -73,8 +79,8 @@ class DecodeWorker:
         self._output_channel: Optional[asyncio.Queue] = None  # the current subscription's
         self.parking = Parking()
         self.receiver.reservations.before_payload = lambda request_id: self.parking.hold("transfer", request_id)
-        self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output)
-        self.loop.expecting_events = lambda: self.receiver.reservations.num_reserved_requests > 0
+        self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output,
+                               expecting_events=lambda: self.receiver.reservations.num_reserved_requests > 0)
 
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, self.role, self._kv_address())
@@ -86,13 +92,17 @@ class DecodeWorker:
 
     # -- disaggregated path --------------------------------------------------------------------
 
-    async def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float) -> None:
-        """Sets blocks aside for a prompt's KV; raises OutOfBlocksError when they are not free."""
-        def reserve() -> None:
-            self.receiver.reserve(request_id, self.engine.allocator.blocks_needed(num_prompt_tokens), timeout_s)
-            self._timeouts_s[request_id] = timeout_s
+    async def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float) -> bool:
+        """Sets blocks aside for a prompt's KV; False (a reply, not an exception) when they are not free."""
+        def reserve() -> bool:
+            try:
+                self.receiver.reserve(request_id, self.engine.allocator.blocks_needed(num_prompt_tokens), timeout_s)
+            except OutOfBlocksError:
+                return False
+            self._handoffs[request_id] = _Handoff(timeout_s)
+            return True
 
-        await self.loop.call(reserve)
+        return await self.loop.call(reserve)
 
     async def renew(self, request_id: str, timeout_s: float) -> bool:
         """Restarts a reservation's clock (its prompt still waits for prefill); False when it is gone."""
@@ -111,7 +121,7 @@ class DecodeWorker:
         """The request joins the running batch as soon as its KV is ready (now, if it already is).
         `deliveries` are a routed transport's KV messages (ray): installed here, in the same call (each
         Ray call costs the router about 1 ms of CPU)."""
-        await self.loop.call(lambda: self._admit(request_id, _Awaiting(list(prompt_ids), first_token_id, params)))
+        await self.loop.call(lambda: self._admit(request_id, _Admission(list(prompt_ids), first_token_id, params)))
         await self.deliver(deliveries)
 
     # -- colocated path ------------------------------------------------------------------------
@@ -165,59 +175,52 @@ class DecodeWorker:
             if self._output_channel is channel:
                 self._output_channel = None
 
-    async def park_at(self, phases: Sequence[str]) -> None:
-        """Tests only: see engine.worker_runtime.Parking."""
-        self.parking.arm(phases)
-
-    async def parked(self) -> dict[str, str]:
-        return dict(self.parking.parked)
-
-    async def release_parked(self) -> None:
-        self.parking.release()
-
     async def abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda: self._abort(request_id))
 
     async def load(self) -> WorkerLoad:
-        gpus, gpu_note = gpu_stats()  # here, not on the engine thread: NVML calls take a while
-        return dataclasses.replace(await self.loop.call(self._load), gpus=gpus, gpu_note=gpu_note, rss_bytes=rss_bytes())
+        return await load_report(self.worker_id, self.loop, lambda: self._served, self._num_waiting_for_kv)
 
     # -- loop thread ---------------------------------------------------------------------------
 
-    def _admit(self, request_id: str, request: _Awaiting) -> None:
-        ready = self._ready.pop(request_id, None)
-        if ready is None:
-            self._awaiting[request_id] = request
+    def _admit(self, request_id: str, admission: _Admission) -> None:
+        handoff = self._handoffs.get(request_id)
+        if handoff is None:  # its reservation already failed or was aborted: that was reported
             return
-        self.engine.start_decode(request_id, request.prompt_ids, request.first_token_id, request.params, ready.block_ids)
+        handoff.admission = admission
+        self._start_if_complete(request_id, handoff)
 
     def _poll_receiver(self) -> None:
         events = self.receiver.poll()
         now = time.monotonic()
         for request_id, block_ids in events.ready.items():
-            self._kv_ready_wall_s[request_id] = time.time()
-            timeout_s = self._timeouts_s.pop(request_id, 30.0)
-            waiting = self._awaiting.pop(request_id, None)
-            if waiting is None:
-                self._ready[request_id] = _Ready(block_ids, now + timeout_s)
-            else:
-                self.engine.start_decode(request_id, waiting.prompt_ids, waiting.first_token_id, waiting.params, block_ids)
+            handoff = self._handoffs.setdefault(request_id, _Handoff(0.0))
+            handoff.block_ids, handoff.kv_ready_wall_s = block_ids, time.time()
+            handoff.unclaimed_deadline_s = now + handoff.timeout_s
+            self._start_if_complete(request_id, handoff)
         for request_id, error in events.failed:
-            self._timeouts_s.pop(request_id, None)
-            self._awaiting.pop(request_id, None)
+            self._handoffs.pop(request_id, None)
             self.loop.publish(request_id, TokenChunk(request_id, (), error=f"KV transfer failed: {error}"))
-        for request_id in [r for r, ready in self._ready.items() if ready.deadline_s <= now]:
-            log.warning("KV of request %s was never claimed; freeing it", request_id)
-            self.engine.allocator.free(self._ready.pop(request_id).block_ids)
+        for request_id, handoff in list(self._handoffs.items()):
+            if handoff.block_ids is not None and not handoff.decoding and handoff.unclaimed_deadline_s <= now:
+                log.warning("KV of request %s was never claimed; freeing it", request_id)
+                self.engine.allocator.free(self._handoffs.pop(request_id).block_ids)
+
+    def _start_if_complete(self, request_id: str, handoff: _Handoff) -> None:
+        admission = handoff.admission
+        if admission is not None and handoff.block_ids is not None and not handoff.decoding:
+            handoff.decoding = True  # the blocks are the engine's now
+            self.engine.start_decode(request_id, admission.prompt_ids, admission.first_token_id, admission.params,
+                                     handoff.block_ids)
+
+    def _num_waiting_for_kv(self) -> int:
+        return sum(1 for handoff in self._handoffs.values() if handoff.admission is not None and not handoff.decoding)
 
     def _abort(self, request_id: str) -> bool:
         found = self.engine.abort(request_id) | self.receiver.abort(request_id)
-        self._awaiting.pop(request_id, None)
-        self._timeouts_s.pop(request_id, None)
-        self._kv_ready_wall_s.pop(request_id, None)
-        ready = self._ready.pop(request_id, None)
-        if ready is not None:
-            self.engine.allocator.free(ready.block_ids)
+        handoff = self._handoffs.pop(request_id, None)
+        if handoff is not None and handoff.block_ids is not None and not handoff.decoding:
+            self.engine.allocator.free(handoff.block_ids)
             found = True
         if found:
             self.loop.publish(request_id, TokenChunk(request_id, (), finish_reason="abort"))
@@ -230,15 +233,17 @@ class DecodeWorker:
             self._served += 1
         return TokenChunk(
             output.request_id, tuple(output.new_token_ids), output.finish_reason,
-            kv_ready_wall_s=self._kv_ready_wall_s.pop(output.request_id, None),
-            num_prompt_tokens=output.num_prompt_tokens, num_cached_prompt_tokens=output.num_cached_prompt_tokens,
+            kv_ready_wall_s=self._first_chunk_kv_ready_wall_s(output.request_id),
+            num_cached_prompt_tokens=output.num_cached_prompt_tokens,
         )
 
-    def _load(self) -> WorkerLoad:
-        scheduler = self.engine.scheduler
-        return WorkerLoad(self.worker_id, len(scheduler.running), len(scheduler.waiting) + len(self._awaiting),
-                          self.engine.allocator.num_free_blocks, self.engine.allocator.num_blocks,
-                          self._served, self.loop.max_batch_size_seen, self.loop.decode_steps, self.loop.decode_steps_s)
+    def _first_chunk_kv_ready_wall_s(self, request_id: str) -> Optional[float]:
+        """When the request's KV became ready, on its first decoded chunk (its handoff ends there)."""
+        handoff = self._handoffs.get(request_id)
+        if handoff is None or not handoff.decoding:
+            return None
+        del self._handoffs[request_id]
+        return handoff.kv_ready_wall_s
 
 
 _HEARTBEAT_S = 1.0

@@ -17,13 +17,13 @@ from kvtransfer.errors import (
     WireVersionError,
 )
 from kvtransfer.leases import SenderEvents
-from kvtransfer.registry import create_receiver, create_sender, register_transport, transport_names
+from kvtransfer.registry import create_receiver, create_sender, transport_names
 from kvtransfer.reservations import ReceiverEvents
 from kvtransfer.wire import WIRE_VERSION, KVGroupHeader
 
 __all__ = [
     "KVSender", "KVReceiver", "SenderEvents", "ReceiverEvents", "KVGroupHeader", "WIRE_VERSION",
-    "create_sender", "create_receiver", "register_transport", "transport_names",
+    "create_sender", "create_receiver", "transport_names",
     "KVTransferError", "WireFormatError", "WireVersionError", "LayoutMismatchError", "ChecksumError",
     "UnknownRequestError", "TransferAbortedError", "LeaseExpiredError", "ReservationExpiredError",
 ]

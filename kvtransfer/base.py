@@ -60,7 +60,7 @@ class KVSender(ABC):
         self.ledger = SenderLedger(allocator)
         self._staging = BufferPool()
         # A transport that streams (grpc) calls this with the request id between a group's header and its
-        # payload (tests hold a transfer there: engine.worker_runtime.Parking).
+        # payload (tests hold a transfer there: runtime.parking.Parking).
         self.between_header_and_payload: Optional[Callable[[str], None]] = None
 
     @abstractmethod

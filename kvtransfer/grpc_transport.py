@@ -26,7 +26,8 @@ from kvtransfer import errors
 from kvtransfer.base import DEFAULT_LEASE_S, KVReceiver, KVSender
 from kvtransfer.buffers import BufferPool
 from kvtransfer.leases import HeldRequest
-from kvtransfer.wire import WIRE_VERSION, KVGroupHeader, as_bytes_view, host_port
+from kvtransfer.wire import WIRE_VERSION, KVGroupHeader, as_bytes_view
+from protocol.addresses import host_port
 
 logger = logging.getLogger(__name__)
 

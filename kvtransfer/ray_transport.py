@@ -46,7 +46,7 @@ class RayKVSender(KVSender):
 
 
 class RayKVReceiver(KVReceiver):
-    def __init__(self, cache, allocator, get_timeout_s: float = 30.0):
+    def __init__(self, cache, allocator, get_timeout_s: float = DEFAULT_LEASE_S):
         super().__init__(cache, allocator)
         self.get_timeout_s = get_timeout_s
 

@@ -21,12 +21,6 @@ _TRANSPORTS: dict[str, TransportEntry] = {
 }
 
 
-def register_transport(name: str, entry: TransportEntry) -> None:
-    if name in _TRANSPORTS:
-        raise ValueError(f"KV transport {name!r} is already registered")
-    _TRANSPORTS[name] = entry
-
-
 def transport_names() -> list[str]:
     return sorted(_TRANSPORTS)
 

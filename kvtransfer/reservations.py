@@ -57,7 +57,7 @@ class Reservations:
         self._lock = threading.Lock()
         self._by_request: dict[str, _Reservation] = {}
         # Called with the request id once a group's header passed `check`, before its payload is read
-        # (tests hold a transfer there: engine.worker_runtime.Parking).
+        # (tests hold a transfer there: runtime.parking.Parking).
         self.before_payload: Optional[Callable[[str], None]] = None
 
     def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:

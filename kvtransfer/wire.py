@@ -173,8 +173,3 @@ def payload_as_kv(payload: Any, header: KVGroupHeader) -> torch.Tensor:
     shape = (header.layer_stop - header.layer_start, 2, header.num_blocks, layout.block_size_tokens,
              layout.num_kv_heads, layout.head_dim)
     return data.view(layout.torch_dtype).view(shape)
-
-
-def host_port(host: str, port: int) -> str:
-    """A bindable or dialable address: an IPv6 host goes in brackets."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -74,7 +74,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="where a disaggregated request prefills: remote (the prefill pool), local (its decode worker, "
                         "interleaved with decoding), auto (local for short prompts or when the prefill queue is longer)")
     p.add_argument("--local-prefill-max-tokens", type=int, default=64, help="auto: prompts this short prefill locally")
-    p.add_argument("--pd-queue-margin-tokens", type=int, default=256,
+    p.add_argument("--pd-queue-margin-tokens", type=int, default=2048,
                    help="auto: prefill locally when the prefill pool's queue exceeds the decode worker's by this")
     p.add_argument("--decode-interleave-tokens", type=int, default=256,
                    help="prompt tokens a decode/colocated worker prefills between two decode steps (0: prefill first)")

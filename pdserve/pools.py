@@ -95,12 +95,12 @@ class PoolManager:
         handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
         self._check_agreement(role, actors, infos)
         if role != "prefill":  # subscribed to their tokens before any request can be routed to them
-            watched = await asyncio.gather(*(self.router.watch(handle) for handle in handles), return_exceptions=True)
+            watched = await asyncio.gather(*(self.router.streams.watch(handle) for handle in handles), return_exceptions=True)
             failures = [result for result in watched if isinstance(result, BaseException)]
             if failures:
                 for handle in handles:
                     handle.state = "stopping"
-                    self.router.unwatch(handle, "not started")
+                    self.router.streams.unwatch(handle, "not started")
                     ray.kill(handle.actor)
                 raise WorkerStartError(f"{role}: could not subscribe to the new workers' tokens: {failures[0]}") from failures[0]
         self._pool(role).workers.extend(handles)
@@ -178,7 +178,7 @@ class PoolManager:
         about 1 ms of CPU here, and a busy decode worker's token stream breaks at once if it dies."""
         import ray
 
-        from router.router import is_actor_death
+        from router.failures import is_actor_death
 
         while True:
             await asyncio.sleep(interval_s)
@@ -193,7 +193,7 @@ class PoolManager:
                         worker.state = "dead"
                 for worker in [w for w in pool.workers if w.state == "dead"]:
                     pool.workers.remove(worker)
-                    self.router.unwatch(worker, "found dead")  # its requests fail over now
+                    self.router.streams.unwatch(worker, "found dead")  # its requests fail over now
                     try:  # dead, or alive but cut off from the router: its blocks go with it
                         ray.kill(worker.actor)
                     except Exception as error:
@@ -218,7 +218,7 @@ class PoolManager:
         for pool in (self.router.prefill_pool, self.router.decode_pool):
             for worker in pool.workers:
                 worker.state = "stopping"
-                self.router.unwatch(worker, "the system is stopping")
+                self.router.streams.unwatch(worker, "the system is stopping")
                 ray.kill(worker.actor)
 
 

@@ -51,7 +51,7 @@ class ServeConfig:
     decode_interleave_tokens: Optional[int] = 256
     pd_policy: str = "auto"  # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
     local_prefill_max_tokens: int = 64  # auto: prompts this short prefill on their decode worker
-    pd_queue_margin_tokens: int = 256  # auto: go local when the prefill queue is this much longer
+    pd_queue_margin_tokens: int = 2048  # auto: go local when the prefill queue is this much longer
     object_store_bytes: int = 512 << 20
     autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
     http_port: Optional[int] = None  # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port

@@ -8,19 +8,19 @@ expires (`kvtransfer` frees them then). Everything touching the engine runs on i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.telemetry import gpu_stats, rss_bytes
-from engine.worker_messages import PrefillResult, WorkerInfo, WorkerLoad
-from engine.worker_runtime import Parking, describe, start_engine
 from kvtransfer.registry import create_sender
+from protocol.messages import PrefillResult, WorkerInfo, WorkerLoad
+from runtime.engine_loop import EngineLoop
+from runtime.parking import Parking, ParkingEndpoints
+from runtime.startup import describe, start_engine
+from runtime.telemetry import load_report
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class _Prefilling:
     arrival_s: float
 
 
-class PrefillWorker:
+class PrefillWorker(ParkingEndpoints):
     def __init__(self, worker_id: str, config: EngineConfig, transport: str, epoch: int, kv_lease_s: float = 30.0):
         self.worker_id = worker_id
         self.engine = start_engine(config)
@@ -39,11 +39,10 @@ class PrefillWorker:
         self.sender = create_sender(transport, self.engine.kv_cache, self.engine.allocator, worker_id, epoch)
         self._requests: dict[str, _Prefilling] = {}
         self._served = 0
-        self._last_step_started_s = time.monotonic()
         self.parking = Parking()
         self.sender.between_header_and_payload = lambda request_id: self.parking.hold("transfer", request_id)
-        self.loop = EngineLoop(self.engine, hooks=(self._poll_sender,), on_output=self._on_output)
-        self.loop.expecting_events = lambda: self.sender.ledger.num_held_requests > 0
+        self.loop = EngineLoop(self.engine, hooks=(self._poll_sender,), on_output=self._on_output,
+                               expecting_events=lambda: self.sender.ledger.num_held_requests > 0)
 
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, "prefill", None)
@@ -73,19 +72,8 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> bool:
         return await self.loop.call(lambda: self._abort(request_id))
 
-    async def park_at(self, phases: Sequence[str]) -> None:
-        """Tests only: see engine.worker_runtime.Parking."""
-        self.parking.arm(phases)
-
-    async def parked(self) -> dict[str, str]:
-        return dict(self.parking.parked)
-
-    async def release_parked(self) -> None:
-        self.parking.release()
-
     async def load(self) -> WorkerLoad:
-        gpus, gpu_note = gpu_stats()  # here, not on the engine thread: NVML calls take a while
-        return dataclasses.replace(await self.loop.call(self._load), gpus=gpus, gpu_note=gpu_note, rss_bytes=rss_bytes())
+        return await load_report(self.worker_id, self.loop, lambda: self._served)
 
     # -- loop thread ---------------------------------------------------------------------------
 
@@ -117,14 +105,7 @@ class PrefillWorker:
             deliveries = (delivery,) if delivery is not None else ()
         self._served += 1
         return PrefillResult(
-            output.request_id, self.worker_id, output.new_token_ids[0], output.finish_reason,
-            output.num_prompt_tokens, output.num_cached_prompt_tokens,
+            self.worker_id, output.new_token_ids[0], output.finish_reason, output.num_cached_prompt_tokens,
             queue_s=max(0.0, now - request.arrival_s - prefill_s), prefill_s=prefill_s, kv_bytes=kv_bytes,
             kv_sent_wall_s=sent_wall_s, deliveries=deliveries,
         )
-
-    def _load(self) -> WorkerLoad:
-        scheduler = self.engine.scheduler
-        return WorkerLoad(self.worker_id, len(scheduler.running), len(scheduler.waiting),
-                          self.engine.allocator.num_free_blocks, self.engine.allocator.num_blocks,
-                          self._served, self.loop.max_batch_size_seen)

@@ -16,7 +16,9 @@ from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.auth import AuthError, Credentials
 from router.logs import request_context
 from router.pool import WorkerStartError
-from router.router import Router, StreamItem, describe_failure
+from router.failures import describe_failure
+from router.output import StreamItem
+from router.router import Router
 from router.validation import RequestValidationError, ValidationLimits, validate
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 async with contextlib.aclosing(self.router.generate(validated)) as stream:
                     async for item in stream:
                         response = _response(validated.request_id, item)
-                        await self.router.writes_released()
+                        await self.router.streams.writes_released()
                         yield response
             except grpc.aio.AbortError:
                 raise

@@ -25,7 +25,9 @@ from router.pool import WorkerStartError
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics, Snapshot
 from router.openai_api import (SSE_DONE, ApiError, ParsedRequest, ResponseShape, invalid, openai_param, parse_body,
                                parse_request, sse)
-from router.router import Router, StreamItem, describe_failure
+from router.failures import describe_failure
+from router.output import StreamItem
+from router.router import Router
 from router.validation import MAX_REQUEST_ID_CHARS, RequestValidationError, ValidatedRequest, ValidationLimits, validate
 
 log = logging.getLogger(__name__)
@@ -178,7 +180,7 @@ async def _event_stream(request: web.Request, stream, first: StreamItem, shape: 
         while True:
             if item.text or item.final is not None or opening:
                 event = sse(shape.chunk(item.text, item.final, first=opening))
-                await router.writes_released()
+                await router.streams.writes_released()
                 await response.write(event)
                 opening = False
             if item.final is not None:

@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from engine.worker_messages import WorkerLoad
+from protocol.messages import WorkerLoad
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                      5.0, 10.0, 20.0, 40.0, 80.0, 160.0)

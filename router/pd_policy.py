@@ -24,7 +24,7 @@ class PDPolicyConfig:
     local_max_prompt_tokens: int = 64  # auto: prompts this short prefill where they decode
     # auto: go local when the prefill pool's shortest queue exceeds the decode worker's own queue (its
     # local prompts not yet prefilled) plus this prompt by this many tokens
-    queue_margin_tokens: int = 256
+    queue_margin_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.worker_messages import WorkerInfo
+from protocol.messages import WorkerInfo
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The request lifecycle on the router: route, prefill, hand the KV over, stream, finish or abort.
+"""The request flow on the router: admit, place, prefill, hand the KV over, stream, finish, abort or
+migrate. (Its failures: router/failures.py; the tokens coming back: router/token_stream.py; what the
+client is sent: router/output.py; where it prefills: router/pd_policy.py.)
 
 Disaggregated: reserve KV blocks on a decode worker first (so a transfer never lands where there is no
 room) -> prefill on a prefill worker, whose first token streams to the client at once -> route the
@@ -10,84 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-import grpc
-import msgpack
-
-from engine.block_manager import OutOfBlocksError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from engine.worker_messages import (OUTPUT_STREAM_METHOD, OUTPUT_STREAM_VERSION, PrefillResult, TokenChunk,
-                                    decode_chunks)
+from protocol.messages import PrefillResult
+from protocol.token_stream import TokenChunk
+from router.failures import (AdmissionTimeoutError, DuplicateRequestError, RequestAborted, WorkerError, WorkerLost,
+                             is_actor_death)
 from router.metrics import RouterMetrics
+from router.output import FinalInfo, Progress, StreamItem
 from router.overload import AdmissionLimits, OverloadedError
 from router.pd_policy import Decision, PDPolicyConfig, decide
 from router.pool import NoWorkerError, WorkerHandle, WorkerPool
+from router.token_stream import TokenStreams, joined, open_chunk
 from router.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
-
-
-class WorkerError(RuntimeError):
-    """A worker failed the request (the message says why); the client gets UNAVAILABLE/INTERNAL."""
-
-
-class AdmissionTimeoutError(RuntimeError):
-    """No worker had room for the request in time; the client gets RESOURCE_EXHAUSTED."""
-
-
-class DuplicateRequestError(ValueError):
-    """Another request with the same id is in flight; the client gets ALREADY_EXISTS / HTTP 409."""
-
-
-class RequestAborted(Exception):
-    """`Router.abort` was called for the request: it ends at once with finish reason "abort"."""
-
-
-class WorkerLost(Exception):
-    """A worker holding the request died. The request is migrated: re-run as prompt + tokens so far."""
-
-    def __init__(self, worker: WorkerHandle, reason: str):
-        super().__init__(f"worker {worker.worker_id} died: {reason}")
-        self.worker = worker
-
-
-def is_actor_death(error: BaseException) -> bool:
-    """True when a Ray call failed because the actor is gone (not because the call raised)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    return isinstance(error, (ActorDiedError, ActorUnavailableError, RayActorError))
-
-
-def describe_failure(error: BaseException, request_id: str) -> tuple[str, str]:
-    """What a frontend tells a client whose request failed with `error`: a kind ("unavailable",
-    "overloaded", "conflict", "deadline" or "internal"), which each frontend maps to its status, and a message."""
-    if isinstance(error, (AdmissionTimeoutError, OverloadedError)):
-        return "overloaded", str(error)
-    if isinstance(error, NoWorkerError):
-        return "unavailable", str(error)
-    if isinstance(error, DuplicateRequestError):
-        return "conflict", str(error)
-    if isinstance(error, TimeoutError):
-        return "deadline", f"request {request_id} passed its deadline"
-    if isinstance(error, WorkerError):
-        log.warning("failed on a worker: %s", error)
-        return "unavailable", f"request {request_id} failed: {error}"
-    log.error("failed: %s: %s", type(error).__name__, error, exc_info=error)
-    return "internal", f"request {request_id} failed: {type(error).__name__}: {error}"
-
-
-def ray_task_error() -> type:
-    from ray.exceptions import RayTaskError  # Ray is imported by whoever built the pools
-
-    return RayTaskError
 
 
 @dataclass(frozen=True)
@@ -107,32 +52,6 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
-
-
-@dataclass
-class StreamItem:
-    """One message to the client: new tokens and text; `final` carries finish reason, usage, timings."""
-
-    token_ids: list[int]
-    text: str
-    final: Optional["FinalInfo"] = None
-
-
-@dataclass
-class FinalInfo:
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-    ttft_s: float
-    tpot_s: float
-    queue_s: float
-    prefill_s: float
-    kv_bytes: int
-    kv_transfer_s: float
-    e2e_s: float
-    prefill_worker: str = ""
-    decode_worker: str = ""
 
 
 @dataclass
@@ -156,30 +75,6 @@ class _Request:
 
 
 @dataclass
-class _Progress:
-    start_s: float
-    prompt_tokens: int
-    detok: IncrementalDetokenizer
-    stop_token_ids: frozenset
-    token_ids: list[int] = field(default_factory=list)  # streamed so far (a migration re-prefills them)
-    first_token_s: Optional[float] = None
-    last_item_s: Optional[float] = None
-    completion_tokens: int = 0
-    prefill: Optional[PrefillResult] = None
-    kv_transfer_s: float = 0.0
-    cached_prompt_tokens: int = 0
-
-    def text_for(self, token_ids, finish_reason: Optional[str]) -> str:
-        text = ""
-        for index, token in enumerate(token_ids):
-            last = index == len(token_ids) - 1
-            if last and finish_reason == "stop" and token in self.stop_token_ids:
-                continue  # the engine ends on this token without emitting it as text
-            text += self.detok.add_token(token)
-        return text + (self.detok.flush() if finish_reason else "")
-
-
-@dataclass
 class Router:
     config: RouterConfig
     tokenizer: Tokenizer
@@ -188,11 +83,7 @@ class Router:
     requests_completed: int = 0
     requests_failed: int = 0
     in_flight: dict[str, _Request] = field(default_factory=dict)  # claimed at admission, until the request ends
-    # worker request id -> (the decode worker holding it, its chunks): a worker's chunks for an id it no
-    # longer holds (a reservation handed back) never reach the attempt running elsewhere under that id.
-    _streams: dict[str, tuple[WorkerHandle, "_Inbox"]] = field(default_factory=dict)
-    _subscriptions: dict[str, "_Subscription"] = field(default_factory=dict)  # decode worker id -> its token stream
-    _write_gate: Optional[asyncio.Future] = None  # see `_take`
+    streams: TokenStreams = field(default_factory=TokenStreams)  # the decode workers' tokens, per request
     migrations: int = 0
     # (monotonic time, TTFT s, queue s) of recent first tokens, and requests waiting for KV room:
     # the autoscaler's signals.
@@ -207,62 +98,6 @@ class Router:
         """Median of the second field of recent (time, value, ...) samples, or None."""
         values = sorted(sample[1] for sample in samples if now_s - sample[0] <= window_s)
         return values[len(values) // 2] if values else None
-
-    async def watch(self, worker: WorkerHandle, timeout_s: float = 30.0) -> None:
-        """Subscribes to a decode worker's token stream; returns once the subscription is in place, so
-        nothing the worker emits for requests routed to it after this is lost."""
-        address, secret = await worker.actor.output_address.remote()
-        subscription = _Subscription(worker, address, secret, self, asyncio.get_running_loop())
-        self._subscriptions[worker.worker_id] = subscription
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(subscription.started), timeout_s)
-        except BaseException:
-            subscription.cancel("no token stream")
-            raise
-
-    def unwatch(self, worker: WorkerHandle, reason: str) -> None:
-        """Ends the subscription to a worker found dead (or stopped) elsewhere: its requests fail over at once."""
-        subscription = self._subscriptions.get(worker.worker_id)
-        if subscription is not None:
-            subscription.cancel(reason)
-
-    def _take(self, subscription: "_Subscription") -> None:
-        """On the loop: hands out every chunk the subscription's reader thread collected since the last
-        call. After a stall (a busy loop) that is several steps, which each request then sends as one
-        message."""
-        self._deliver(subscription.worker, subscription.take())
-        # The requests' consumers woken above run before this gate opens: each does its Python work
-        # (detokenizing, metrics, the response) and waits in `writes_released`, then the step's writes
-        # go out back to back, which costs less CPU than writes spaced out by that work.
-        loop = asyncio.get_running_loop()
-        gate = self._write_gate = loop.create_future()
-        loop.call_soon(_open_gate, gate)
-
-    async def writes_released(self) -> None:
-        """Returns once the consumers of the current step have all prepared their messages (at once
-        when no step is being handed out)."""
-        gate = self._write_gate
-        if gate is not None and not gate.done():
-            await asyncio.shield(gate)  # a consumer cancelled here (its client left) must not cancel the gate
-
-    def _lost(self, subscription: "_Subscription", error: str) -> None:
-        """On the loop: the worker's stream ended (it died, was stopped, or was found dead)."""
-        worker = subscription.worker
-        if self._subscriptions.get(worker.worker_id) is subscription:
-            del self._subscriptions[worker.worker_id]
-        self._take(subscription)  # what it sent before is delivered
-        if worker.state != "stopping":
-            log.warning("decode worker %s is gone (%s); failing its requests", worker.worker_id, error)
-        worker.state = "dead"
-        for holder, stream in list(self._streams.values()):
-            if holder is worker:
-                stream.put_nowait(WorkerLost(worker, error))
-
-    def _deliver(self, worker: WorkerHandle, chunks: list[TokenChunk]) -> None:
-        for chunk in chunks:
-            holder, stream = self._streams.get(chunk.request_id, (None, None))
-            if holder is worker:
-                stream.put_nowait(chunk)
 
     async def generate(self, request: ValidatedRequest) -> AsyncIterator[StreamItem]:
         """Streams a request's output; the last item carries `final` (finish reason "abort" after
@@ -279,7 +114,7 @@ class Router:
         stop_ids = frozenset(request.params.stop_token_ids) | (
             frozenset() if request.params.ignore_eos else frozenset(self.tokenizer.special.eos_token_ids))
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.stop)
-        progress = _Progress(time.monotonic(), len(request.prompt_ids), detok, stop_ids)
+        progress = Progress(time.monotonic(), len(request.prompt_ids), detok, stop_ids)
         log.info("received: %d prompt tokens, max_tokens %d", len(request.prompt_ids), request.params.max_tokens)
         final: Optional[FinalInfo] = None
         outcome = "aborted"  # unless it finishes or fails: the client went away, or `abort` was called
@@ -324,7 +159,7 @@ class Router:
         route, record.route = record.route, None
         if route is None:
             return
-        self._streams.pop(route.worker_request_id, None)
+        self.streams.close(route.worker_request_id)
         wid = route.worker_request_id
         if route.prefill is not None:
             if not route.prefill_released and route.prefill.state != "dead":
@@ -342,15 +177,15 @@ class Router:
         if not record.aborted.done():
             record.aborted.set_result(None)
         if record.route is not None:  # a consumer waiting for tokens wakes up
-            holder_and_stream = self._streams.get(record.route.worker_request_id)
-            if holder_and_stream is not None:
-                holder_and_stream[1].put_nowait(RequestAborted())
+            inbox = self.streams.inbox(record.route.worker_request_id)
+            if inbox is not None:
+                inbox.put_nowait(RequestAborted())
         return True
 
     # -- the two flows, and migration ------------------------------------------------------------
 
     async def _migrating(self, record: _Request, request: ValidatedRequest,
-                         progress: _Progress) -> AsyncIterator[StreamItem]:
+                         progress: Progress) -> AsyncIterator[StreamItem]:
         """Runs the mode's flow; when a worker dies under the request, re-runs prompt + tokens so far on
         healthy workers (the client sees only latency; greedy and seeded output stay the same)."""
         attempt = 0
@@ -384,7 +219,7 @@ class Router:
         return decision
 
     async def _disaggregated(self, record: _Request, wid: str, prompt_ids: list[int], params,
-                             progress: _Progress) -> AsyncIterator[StreamItem]:
+                             progress: Progress) -> AsyncIterator[StreamItem]:
         # The prompt counts in its prefill worker's queue from now, so the next request's placement
         # (`_place`) sees it; no prefill worker: UNAVAILABLE at once, before reserving anything.
         queued = len(prompt_ids)
@@ -432,7 +267,8 @@ class Router:
             if chunk.kv_ready_wall_s is not None:
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
                 route.prefill_released = True
-                self._fire(prefill.actor.acknowledge.remote(wid))
+                if result.deliveries:  # a routed transport's acknowledgement travels the same way (grpc's is in-band)
+                    self._fire(prefill.actor.acknowledge.remote(wid))
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode)
 
     async def _reserve_decode(self, record: _Request, wid: str, num_prompt_tokens: int) -> WorkerHandle:
@@ -453,8 +289,10 @@ class Router:
                         break
                     tried += (decode.worker_id,)
                     try:
-                        await self._unless_aborted(record, decode.actor.reserve.remote(
+                        reserved = await self._unless_aborted(record, decode.actor.reserve.remote(
                             wid, num_prompt_tokens, self.config.kv_timeout_s))
+                        if not reserved:  # no room there now
+                            continue
                         if decode.state == "ready":
                             return decode
                         # A scale-down began draining it while we reserved (its drain counts only
@@ -466,10 +304,9 @@ class Router:
                         self._fire(decode.actor.abort.remote(wid))
                         raise
                     except Exception as error:
-                        if is_actor_death(error):
-                            decode.state = "dead"  # skipped from now on; the pool manager replaces it
-                        elif not (isinstance(error, ray_task_error()) and isinstance(error.cause, OutOfBlocksError)):
+                        if not is_actor_death(error):
                             raise
+                        decode.state = "dead"  # skipped from now on; the pool manager replaces it
                 if time.monotonic() + delay_s > deadline:
                     raise AdmissionTimeoutError(
                         f"no decode worker had KV room for {num_prompt_tokens} prompt tokens within "
@@ -487,7 +324,7 @@ class Router:
                 self.waiting_for_kv -= 1
 
     async def _colocated(self, record: _Request, wid: str, prompt_ids: list[int], params,
-                         progress: _Progress) -> AsyncIterator[StreamItem]:
+                         progress: Progress) -> AsyncIterator[StreamItem]:
         """The whole request on one worker: a colocated worker, or a disaggregated system's decode worker
         prefilling it locally (router/pd_policy.py)."""
         worker = self.decode_pool.pick()
@@ -541,19 +378,19 @@ class Router:
         this stream was behind (a busy router) leave as one, so a backlog costs one message, not one per
         step, and a chunk waits until it holds `stream_interval` tokens (or ends the request). Requests with
         stop strings are not coalesced: the router may end them on a token in the middle of a chunk."""
-        stream = self._streams[route.worker_request_id][1]
+        stream = self.streams.inbox(route.worker_request_id)
         # The first chunk is never held back: it is the first token (colocated), or the one that tells the
         # router the KV arrived (disaggregated), which frees the prefill worker's blocks.
         wanted = 1
         pending = None
         while True:
             chunk, pending = (pending if pending is not None else await stream.get()), None
-            while coalesce and _open_chunk(chunk) and (len(chunk.token_ids) < wanted or not stream.empty()):
+            while coalesce and open_chunk(chunk) and (len(chunk.token_ids) < wanted or not stream.empty()):
                 following = await stream.get()  # at once when one is queued
                 if not isinstance(following, TokenChunk) or following.error is not None:
                     pending = following  # handled on its own, next
                     break
-                chunk = _joined(chunk, following)
+                chunk = joined(chunk, following)
             if isinstance(chunk, (WorkerLost, RequestAborted)):
                 raise chunk
             if chunk.error is not None:  # the abort sent on the way out clears anything left behind
@@ -574,7 +411,7 @@ class Router:
         except Exception as error:
             return not is_actor_death(error)
 
-    def _item(self, progress: _Progress, token_ids, finish_reason: Optional[str], decode: WorkerHandle) -> StreamItem:
+    def _item(self, progress: Progress, token_ids, finish_reason: Optional[str], decode: WorkerHandle) -> StreamItem:
         now = time.monotonic()
         if progress.first_token_s is None and token_ids:
             progress.first_token_s = now
@@ -592,7 +429,7 @@ class Router:
             item.final = self._final(progress, finish_reason, now, decode)
         return item
 
-    def _final(self, progress: _Progress, finish_reason: str, now: float, decode: Optional[WorkerHandle]) -> FinalInfo:
+    def _final(self, progress: Progress, finish_reason: str, now: float, decode: Optional[WorkerHandle]) -> FinalInfo:
         first = progress.first_token_s or now
         ttft_s = first - progress.start_s
         tokens = progress.completion_tokens
@@ -616,7 +453,7 @@ class Router:
             if worker is not None:
                 worker.in_flight += 1
         route = record.route = _Route(wid, prefill, decode, prefill_released=prefill is None)
-        self._streams[wid] = (decode, _Inbox(asyncio.get_running_loop()))  # before any call that could make the worker emit
+        self.streams.open(wid, decode)  # before any call that could make the worker emit
         return route
 
     def _fire(self, awaitable) -> None:
@@ -632,116 +469,3 @@ class Router:
         task.add_done_callback(self._background.discard)
 
 
-class _Inbox:
-    """A request's chunks, queued for its consumer: asyncio.Queue's part that the router uses, minus its
-    cost per message (it looks the running loop up, a getpid system call, for each wait)."""
-
-    __slots__ = ("_items", "_waiter", "_loop")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._items: collections.deque = collections.deque()
-        self._waiter: Optional[asyncio.Future] = None
-        self._loop = loop
-
-    def put_nowait(self, item) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    async def get(self):
-        while not self._items:
-            self._waiter = self._loop.create_future()
-            await self._waiter
-        return self._items.popleft()
-
-
-def _open_gate(gate: asyncio.Future) -> None:
-    if not gate.done():
-        gate.set_result(None)
-
-
-class _Subscription:
-    """One decode worker's token stream, read by a thread of its own (a blocking gRPC stream), so that
-    steps keep arriving while the router's loop is busy and a stalled loop then takes them all at once.
-    (Read on the loop with grpc.aio, each step would be handed out before the next is read.) Every
-    message, the worker's idle heartbeats included, counts as hearing from it (`last_heard_s`): a
-    worker that falls silent is pinged through Ray by the healer, which finds a lost node that way.
-    No gRPC keepalive: its pings, on a stream where the router never sends, trip the server's limits."""
-
-    def __init__(self, worker: WorkerHandle, address: str, secret: str, router: "Router",
-                 loop: asyncio.AbstractEventLoop):
-        self.worker = worker
-        self.started: concurrent.futures.Future = concurrent.futures.Future()  # set once the worker's hello came
-        self._router = router
-        self._loop = loop
-        self._pending: list[TokenChunk] = []
-        self._lock = threading.Lock()
-        self._cancel_reason: Optional[str] = None
-        self._channel = grpc.insecure_channel(address)
-        self._call = self._channel.unary_stream(OUTPUT_STREAM_METHOD)(b"", metadata=(("authorization", secret),))
-        threading.Thread(target=self._read, name=f"tokens-{worker.worker_id}", daemon=True).start()
-
-    def cancel(self, reason: str) -> None:
-        self._cancel_reason = reason
-        self._call.cancel()
-
-    def take(self) -> list[TokenChunk]:
-        with self._lock:
-            chunks, self._pending = self._pending, []
-        return chunks
-
-    def _read(self) -> None:
-        try:
-            for index, data in enumerate(self._call):
-                if index == 0:
-                    self._check_hello(data)
-                    continue
-                self.worker.last_heard_s = time.monotonic()
-                chunks = decode_chunks(data)
-                if not chunks:  # a heartbeat
-                    continue
-                with self._lock:
-                    wake = not self._pending  # else a `_take` is already on its way
-                    self._pending.extend(chunks)
-                if wake:
-                    self._loop.call_soon_threadsafe(self._router._take, self)
-            error = "its output stream ended"
-        except Exception as failure:
-            if self._cancel_reason is not None:
-                error = self._cancel_reason
-            elif isinstance(failure, grpc.RpcError):
-                error = f"{failure.code().name}: {failure.details()}"
-            else:
-                error = f"{type(failure).__name__}: {failure}"
-        finally:
-            self._channel.close()
-        if not self.started.done():
-            self.started.set_exception(WorkerError(f"decode worker {self.worker.worker_id}: no token stream ({error})"))
-        try:
-            self._loop.call_soon_threadsafe(self._router._lost, self, error)
-        except RuntimeError:  # the router's loop is closed: the system has stopped
-            pass
-
-    def _check_hello(self, data: bytes) -> None:
-        version, worker_id = msgpack.unpackb(data)
-        if version != OUTPUT_STREAM_VERSION or worker_id != self.worker.worker_id:
-            raise WorkerError(f"the token stream of {self.worker.worker_id} answered as {worker_id} with "
-                              f"version {version}, not {OUTPUT_STREAM_VERSION}")
-        self.started.set_result(None)
-
-
-def _open_chunk(chunk) -> bool:
-    return isinstance(chunk, TokenChunk) and chunk.finish_reason is None and chunk.error is None
-
-
-def _joined(first: TokenChunk, then: TokenChunk) -> TokenChunk:
-    """Two consecutive chunks of one request as one."""
-    return dataclasses.replace(
-        then, token_ids=first.token_ids + then.token_ids,
-        kv_ready_wall_s=first.kv_ready_wall_s if first.kv_ready_wall_s is not None else then.kv_ready_wall_s,
-        num_prompt_tokens=max(first.num_prompt_tokens, then.num_prompt_tokens),
-        num_cached_prompt_tokens=max(first.num_cached_prompt_tokens, then.num_cached_prompt_tokens))

@@ -27,7 +27,7 @@ def test_decode_workers_bind_loopback_locally_and_their_node_address_on_a_cluste
 
 
 def test_ipv6_hosts_are_bracketed_in_addresses():
-    from kvtransfer.wire import host_port
+    from protocol.addresses import host_port
 
     assert host_port("::", 0) == "[::]:0" and host_port("[::1]", 5) == "[::1]:5"
     assert host_port("10.0.0.7", 50051) == "10.0.0.7:50051"

@@ -1,7 +1,7 @@
 """Fault injection: a real worker actor killed with `ray.kill` while it holds a request in a known phase
 (queued, mid-prefill, mid-transfer, mid-decode), on both KV transports and in colocated mode. The
 request must recover: output identical to an undisturbed run, exactly one migration, inside a bound.
-Each request is held in its phase by the workers' test fault points (engine.worker_runtime.Parking),
+Each request is held in its phase by the workers' test fault points (runtime.parking.Parking),
 not placed there by a sleep, and the worker killed is the one that holds it. Afterwards every worker is
 back (the dead one replaced) and every live worker's KV is free; a worker that does not answer is never
 counted as free. With migrations exhausted, the request fails cleanly (UNAVAILABLE, at once)."""
@@ -218,7 +218,7 @@ def test_a_worker_cut_off_from_the_router_is_killed_and_replaced(system):
 
 
 async def _unwatch(router, worker) -> None:
-    router.unwatch(worker, "test: cut off from the router")
+    router.streams.unwatch(worker, "test: cut off from the router")
 
 
 def _kill(system, role: str) -> str:

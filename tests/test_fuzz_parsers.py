@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from engine.tokenizer import load_tokenizer
 from kvtransfer.errors import KVTransferError
-from kvtransfer.testing import FP32
+from tests.kv_ends import FP32
 from kvtransfer.wire import KVGroupHeader, group_payload_bytes
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc

@@ -4,7 +4,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from engine.worker_messages import WorkerInfo
+from protocol.messages import WorkerInfo
 from pdserve.pools import PoolManager
 from pdserve.system import ServeConfig
 from router.pool import WorkerHandle, WorkerPool

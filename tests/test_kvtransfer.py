@@ -24,7 +24,7 @@ from kvtransfer import (
     create_sender,
 )
 from kvtransfer.grpc_transport import PUSH_METHOD
-from kvtransfer.testing import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd
+from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd
 from kvtransfer.wire import WIRE_VERSION
 
 BF16 = KVLayout(num_layers=5, num_kv_heads=3, head_dim=64, block_size_tokens=16, dtype="bfloat16")

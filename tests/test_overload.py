@@ -14,7 +14,7 @@ import aiohttp
 import grpc
 import pytest
 
-from engine.telemetry import rss_bytes
+from runtime.telemetry import rss_bytes
 from pdserve.client import PdserveClient
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 

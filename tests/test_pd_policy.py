@@ -4,7 +4,6 @@ to the single-process engine either way."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

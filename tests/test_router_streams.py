@@ -12,10 +12,11 @@ import grpc
 import msgpack
 import pytest
 
-from engine.worker_messages import (OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, WorkerInfo, decode_chunks,
-                                    encode_chunks)
+from protocol.messages import WorkerInfo
+from protocol.token_stream import OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, decode_chunks, encode_chunks
+from router.failures import WorkerError, WorkerLost
 from router.pool import WorkerHandle, WorkerPool
-from router.router import Router, RouterConfig, WorkerError, WorkerLost, _Request
+from router.router import Router, RouterConfig, _Request
 
 
 def _record(request_id: str) -> _Request:
@@ -38,7 +39,7 @@ def _collect(router: Router, holder: WorkerHandle, deliveries, coalesce: bool = 
     async def run():
         route = router._track(_record("req"), "req", None, holder)
         for worker, chunks in deliveries:
-            router._deliver(worker, chunks)
+            router.streams.deliver(worker, chunks)
         return [chunk async for chunk in router._chunks(route, coalesce)]
 
     return asyncio.run(run())
@@ -76,7 +77,7 @@ def test_stream_interval_holds_decode_tokens_but_not_the_first_chunk_nor_the_las
 
         consumer = asyncio.get_running_loop().create_task(consume())
         for token in range(1, 8):  # one step at a time, the consumer keeping up
-            router._deliver(worker, [TokenChunk("req", (token,), finish_reason="length" if token == 7 else None)])
+            router.streams.deliver(worker, [TokenChunk("req", (token,), finish_reason="length" if token == 7 else None)])
             await asyncio.sleep(0.01)
         await asyncio.wait_for(consumer, 5)
         return received
@@ -89,14 +90,14 @@ def test_a_worker_lost_mid_interval_still_hands_over_the_tokens_held_back_first(
         router = _router(stream_interval=4)
         worker = _worker("decode-0")
         route = router._track(_record("req"), "req", None, worker)
-        router._deliver(worker, [TokenChunk("req", (1,))])
+        router.streams.deliver(worker, [TokenChunk("req", (1,))])
         received = []
         with pytest.raises(WorkerLost, match="decode-0 died"):
             async for chunk in router._chunks(route):
                 received.append(chunk.token_ids)
                 if len(received) == 1:
-                    router._deliver(worker, [TokenChunk("req", (2,)), TokenChunk("req", (3,))])
-                    router._streams["req"][1].put_nowait(WorkerLost(worker, "its output stream ended"))
+                    router.streams.deliver(worker, [TokenChunk("req", (2,)), TokenChunk("req", (3,))])
+                    router.streams.inbox("req").put_nowait(WorkerLost(worker, "its output stream ended"))
         return received
 
     # the loss is raised only after the two held-back tokens went out: migration re-runs exactly what the
@@ -165,7 +166,7 @@ async def _subscribed(server: _TokenServer) -> tuple[Router, WorkerHandle]:
     """A router subscribed to the server's stream, as to a decode worker "decode-0"."""
     router = _router()
     worker = server.worker("decode-0")
-    await router.watch(worker)
+    await router.streams.watch(worker)
     return router, worker
 
 
@@ -201,7 +202,7 @@ def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_the
 def test_a_token_stream_that_answers_for_another_worker_is_refused(token_server):
     server = token_server("decode-7")
     with pytest.raises(WorkerError, match="decode-7"):
-        asyncio.run(_router().watch(server.worker("decode-0")))
+        asyncio.run(_router().streams.watch(server.worker("decode-0")))
 
 
 def test_a_steps_messages_are_all_prepared_before_the_first_is_written(token_server):
@@ -214,7 +215,7 @@ def test_a_steps_messages_are_all_prepared_before_the_first_is_written(token_ser
         async def consume(request_id: str):  # what a frontend does per message
             async for chunk in router._chunks(router._track(_record(request_id), request_id, None, worker)):
                 log.append(("prepared", request_id))
-                await router.writes_released()
+                await router.streams.writes_released()
                 log.append(("written", request_id))
 
         consumers = [asyncio.get_running_loop().create_task(consume(r)) for r in "abc"]

@@ -230,7 +230,7 @@ def test_the_only_decode_worker_dying_mid_stream_fails_the_request_at_once(harne
 def test_a_decode_workers_token_stream_refuses_a_subscriber_without_its_secret(disaggregated):
     import ray
 
-    from engine.worker_messages import OUTPUT_STREAM_METHOD
+    from protocol.token_stream import OUTPUT_STREAM_METHOD
 
     address, _ = ray.get(disaggregated.system.router.decode_pool.workers[0].actor.output_address.remote())
     with grpc.insecure_channel(address) as channel:

@@ -1,14 +1,15 @@
 """GPU telemetry through NVML (pynvml, from the nvidia-ml-py package): memory and utilisation of the
 GPUs this process may use. On a machine without a GPU or driver it reports none, with the reason,
-and never raises. No torch: the router may import it."""
+and never raises. No torch: the router may import it. And the load report both workers answer with."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from typing import Any
+from typing import Any, Callable
 
-from engine.worker_messages import GpuStats
+from protocol.messages import GpuStats, WorkerLoad
 
 
 @functools.cache
@@ -56,3 +57,17 @@ def gpu_stats() -> tuple[tuple[GpuStats, ...], str]:
     except Exception as error:
         return (), f"GPU telemetry failed ({type(error).__name__}: {error})"
     return tuple(stats), "" if stats else "no GPU visible to this worker"
+
+
+async def load_report(worker_id: str, loop, served: Callable[[], int],
+                      waiting_outside_engine: Callable[[], int] = lambda: 0) -> WorkerLoad:
+    """A worker's `load()`: its engine's queues and KV taken on the engine thread (`loop`: an
+    `EngineLoop`), NVML and RSS read here (NVML calls take a while)."""
+    def snapshot() -> WorkerLoad:
+        scheduler, allocator = loop.engine.scheduler, loop.engine.allocator
+        return WorkerLoad(worker_id, len(scheduler.running), len(scheduler.waiting) + waiting_outside_engine(),
+                          allocator.num_free_blocks, allocator.num_blocks, served(), loop.max_batch_size_seen,
+                          loop.decode_steps, loop.decode_steps_s)
+
+    gpus, gpu_note = gpu_stats()
+    return dataclasses.replace(await loop.call(snapshot), gpus=gpus, gpu_note=gpu_note, rss_bytes=rss_bytes())

@@ -1,4 +1,4 @@
-"""Test and benchmark helpers: one end of a handoff (a paged cache and its allocator) with random KV."""
+"""Test and benchmark helpers for kvtransfer: one end of a handoff (a paged cache and its allocator) with random KV."""
 
 from __future__ import annotations
 

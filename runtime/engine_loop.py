@@ -28,7 +28,11 @@ _IDLE_WAIT_S = 0.05  # with nothing to run, how long to sleep before polling hoo
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, hooks: tuple[Callable[[], None], ...] = (),
-                 on_output: Optional[Callable[[RequestOutput], Any]] = None, busy_wait_s: float = 0.002):
+                 on_output: Optional[Callable[[RequestOutput], Any]] = None,
+                 expecting_events: Callable[[], bool] = lambda: False, busy_wait_s: float = 0.002):
+        """`hooks` run on the loop thread before each step (transport polls); `on_output` turns each
+        output into what is published; while `expecting_events()` (a transfer under way) the loop polls
+        its hooks every `busy_wait_s` instead of sleeping."""
         self.engine = engine
         self._hooks = hooks
         self._on_output = on_output
@@ -40,9 +44,8 @@ class EngineLoop:
         self._channel: Optional[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = None
         self._channel_batch: list[tuple[str, Any]] = []  # loop thread only
         self._stopped = False
-        self.expecting_events: Callable[[], bool] = lambda: False
+        self.expecting_events = expecting_events
         self.max_batch_size_seen = 0
-        self.num_steps = 0
         self.last_step_s = 0.0  # duration of the latest engine step (the prefill time of its outputs)
         self.decode_steps = 0  # steps that decoded only (no prefill), and their total time
         self.decode_steps_s = 0.0
@@ -145,7 +148,6 @@ class EngineLoop:
                 self.engine.abort(request_id)
                 self.publish(request_id, error)
             return
-        self.num_steps += 1
         self.last_step_s = time.monotonic() - started
         if not self.engine.last_step_was_prefill:
             self.decode_steps += 1

@@ -1,61 +1,26 @@
-"""The small typed messages that cross the router <-> worker boundary. No torch: the router imports them."""
+"""The small typed messages of router <-> worker calls (Ray actor calls): what a worker says about itself
+(`WorkerInfo`), its load (`WorkerLoad`), and a prefill's answer (`PrefillResult`). Replies are values, not
+exceptions: a decode worker without room for a reservation answers False (`DecodeWorker.reserve`)."""
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Sequence
-
-import msgpack
+from dataclasses import dataclass
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     """What a prefill worker returns as soon as a prompt's first token is sampled."""
 
-    request_id: str
     worker_id: str
     first_token_id: int
     finish_reason: Optional[str]  # set when the request already finished at its first token
-    num_prompt_tokens: int
     num_cached_prompt_tokens: int
     queue_s: float
     prefill_s: float
     kv_bytes: int
     kv_sent_wall_s: float  # time.time() the KV handoff started (wall clock: comparable across processes)
     deliveries: tuple[Any, ...] = ()  # routed transport messages (ray: header + ObjectRef); () in-band
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """New tokens of one request from a decode (or colocated) worker; the last one has a finish reason."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    finish_reason: Optional[str] = None
-    error: Optional[str] = None  # the request failed on the worker (message says why)
-    kv_ready_wall_s: Optional[float] = None  # time.time() the KV became ready (first chunk, disaggregated)
-    num_prompt_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-
-
-# A decode worker's token stream to the router: the gRPC server-streaming method below, one message per
-# engine step with every request's chunk (msgpack lists of TokenChunk's fields, in field order), after a
-# first message that says the subscription is in place: [OUTPUT_STREAM_VERSION, worker id].
-OUTPUT_STREAM_SERVICE = "pdserve.internal.v1.DecodeOutputs"
-OUTPUT_STREAM_METHOD = f"/{OUTPUT_STREAM_SERVICE}/Subscribe"
-OUTPUT_STREAM_VERSION = 1
-
-
-_chunk_fields = operator.attrgetter(*(f.name for f in fields(TokenChunk)))
-
-
-def encode_chunks(chunks: Sequence[TokenChunk]) -> bytes:
-    return msgpack.packb([_chunk_fields(chunk) for chunk in chunks])
-
-
-def decode_chunks(data: bytes) -> list[TokenChunk]:
-    return [TokenChunk(request_id, tuple(token_ids), *rest) for request_id, token_ids, *rest in msgpack.unpackb(data)]
 
 
 @dataclass(frozen=True)

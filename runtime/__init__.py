@@ -1,0 +1,3 @@
+"""What both worker actors are built from, outside the model engine: the engine on its own thread
+bridged to asyncio (`engine_loop`), start-up with threads = granted CPUs and the worker's description
+(`startup`), load reports with telemetry (`telemetry`), and the test fault points (`parking`)."""
