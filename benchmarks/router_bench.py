@@ -57,7 +57,7 @@ def main() -> None:
     from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
     config = ServeConfig(transport=args.transport, dtype=args.dtype, port=0, max_num_seqs=args.streams,
-                         stream_interval=args.stream_interval)
+                         stream_interval=args.stream_interval, pd_policy="remote")  # the disaggregated path, as before
     init_ray(config)
     loop = asyncio.new_event_loop() if args.asyncio_loop else new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

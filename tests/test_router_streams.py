@@ -111,7 +111,7 @@ def test_a_stream_interval_below_one_is_refused():
 
 
 def test_token_chunks_cross_the_wire_with_every_field():
-    chunks = [TokenChunk("a", (1, 2), "stop", None, 1.5, 12, 4), TokenChunk("b", (), None, "KV transfer failed: x"),
+    chunks = [TokenChunk("a", (1, 2), "stop", None, 1.5, 4), TokenChunk("b", (), None, "KV transfer failed: x"),
               TokenChunk("c", (3,))]
     assert decode_chunks(encode_chunks(chunks)) == chunks
 
