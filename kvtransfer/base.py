@@ -40,11 +40,11 @@ import torch
 
 from engine.block_manager import BlockAllocator
 from engine.kv_cache import KVLayout, PagedKVCache
-from kvtransfer.buffers import BufferPool, export_blocks_into
+from kvtransfer.buffers import BufferPool
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import HeldRequest, SenderEvents, SenderLedger
 from kvtransfer.reservations import ReceiverEvents, Reservations
-from kvtransfer.wire import KVGroupHeader, as_bytes_view, checksum
+from kvtransfer.wire import KVGroupHeader, as_bytes_view, checksum, group_payload_bytes
 
 KVDelivery = Any  # a transport's routed message (ray: `RayKVDelivery`); opaque to the caller
 
@@ -102,9 +102,9 @@ class KVSender(ABC):
         if sent & held.layers_sent:
             raise ValueError(f"layers [{start}, {stop}) of request {held.request_id!r} were already sent")
         held.layers_sent |= sent
-        num_bytes = (stop - start) * len(held.block_ids) * self.layout.bytes_per_block_per_layer
+        num_bytes = group_payload_bytes(self.layout, stop - start, len(held.block_ids))
         buffer = self._staging.acquire(num_bytes)
-        data = export_blocks_into(self.cache, held.block_ids, slice(start, stop), buffer)
+        data = self.cache.export_blocks(held.block_ids, slice(start, stop), out=buffer)
         header = KVGroupHeader(held.request_id, self.sender_id, self.epoch, self.layout, start, stop,
                                len(held.block_ids), num_bytes, checksum(as_bytes_view(data)))
         return header, data, buffer

@@ -7,11 +7,8 @@ every staging buffer is allocated once, touched, and handed out again for the ne
 from __future__ import annotations
 
 import threading
-from typing import Sequence
 
 import torch
-
-from engine.kv_cache import PagedKVCache
 
 
 class BufferPool:
@@ -44,20 +41,3 @@ class BufferPool:
     def release(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buffer)
-
-
-def export_blocks_into(
-    cache: PagedKVCache, block_ids: Sequence[int], layers: slice, buffer: torch.Tensor
-) -> torch.Tensor:
-    """`cache.export_blocks(block_ids, layers)` written into `buffer` (uint8, large enough) instead of
-    fresh memory; returns the exported tensor, a view of the buffer's head.
-
-    (Candidate for the engine: `PagedKVCache.export_blocks(..., out=...)`.)
-    """
-    source = cache.kv[layers]
-    shape = (source.shape[0], 2, len(block_ids), *source.shape[3:])
-    num_bytes = source.element_size() * shape[0] * 2 * len(block_ids) * source[0, 0, 0].numel()
-    out = buffer[:num_bytes].view(source.dtype).view(shape)
-    index = torch.as_tensor(block_ids, dtype=torch.long)
-    torch.index_select(source, 2, index, out=out)
-    return out
