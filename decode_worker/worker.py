@@ -71,6 +71,7 @@ class DecodeWorker(ParkingEndpoints):
         receiver_options = {"host": kv_host, "port": 0} if transport == "grpc" else {}
         self.receiver = create_receiver(transport, self.engine.kv_cache, self.engine.allocator, **receiver_options)
         self._handoffs: dict[str, _Handoff] = {}  # engine thread only
+        self._next_unclaimed_check_s = 0.0
         self._served = 0
         self._kv_host = kv_host  # the token stream binds where the KV receiver does
         self._output_server = None  # grpc.aio.Server, started on the actor's event loop by output_address
@@ -201,6 +202,9 @@ class DecodeWorker(ParkingEndpoints):
         for request_id, error in events.failed:
             self._handoffs.pop(request_id, None)
             self.loop.publish(request_id, TokenChunk(request_id, (), error=f"KV transfer failed: {error}"))
+        if now < self._next_unclaimed_check_s:  # the poll runs every loop turn; deadlines are seconds away
+            return
+        self._next_unclaimed_check_s = now + _UNCLAIMED_CHECK_S
         for request_id, handoff in list(self._handoffs.items()):
             if handoff.block_ids is not None and not handoff.decoding and handoff.unclaimed_deadline_s <= now:
                 log.warning("KV of request %s was never claimed; freeing it", request_id)
@@ -247,6 +251,7 @@ class DecodeWorker(ParkingEndpoints):
 
 
 _HEARTBEAT_S = 1.0
+_UNCLAIMED_CHECK_S = 0.5  # how often ready KV that nobody admitted is looked for
 
 
 def _reachable(address: str) -> str:

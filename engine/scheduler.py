@@ -4,9 +4,10 @@ Policy: if prompts are waiting and fit, run a prefill batch of them under a toke
 prompt that does not fit the budget; otherwise run one decode step over every running sequence. While
 sequences are decoding, prefill is interleaved instead (with `decode_interleave_tokens`): a prefill step
 takes at most that many prompt tokens and is always followed by a decode step, so a long prompt
-arriving on a busy worker delays each running stream by one chunk at a time, not by its whole prefill. Sequences join and leave the running batch between steps. When a decode step needs
-a block and none is free, the most recently started sequence is preempted: its blocks are freed and
-it is recomputed later (prefix caching makes that cheap).
+arriving on a busy worker delays each running stream by one chunk at a time, not by its whole prefill.
+Sequences join and leave the running batch between steps. When a decode step needs a block and none
+is free, the most recently started sequence is preempted: its blocks are freed and it is recomputed
+later (prefix caching makes that cheap).
 """
 
 from __future__ import annotations
@@ -65,10 +66,12 @@ class Scheduler:
         interleave = self.config.decode_interleave_tokens
         if interleave is None or not self.running:
             batch = self._schedule_prefill(self.config.max_num_batched_tokens) or self._schedule_decode()
-        elif self._prefilled_last:
-            batch = self._schedule_decode() or self._schedule_prefill(interleave)
         else:
-            batch = self._schedule_prefill(min(interleave, self.config.max_num_batched_tokens)) or self._schedule_decode()
+            chunk = min(interleave, self.config.max_num_batched_tokens)
+            if self._prefilled_last:
+                batch = self._schedule_decode() or self._schedule_prefill(chunk)
+            else:
+                batch = self._schedule_prefill(chunk) or self._schedule_decode()
         self._prefilled_last = batch is not None and batch.is_prefill
         return batch
 

@@ -77,6 +77,13 @@ class ServeConfig:
         workers = self.num_decode + (self.num_prefill if self.mode == "disaggregated" else 0)
         return (os.cpu_count() or 1) / max(_LOCAL_WORKER_SLOTS, workers)
 
+    @property
+    def pd(self):
+        """The router's `PDPolicyConfig` (where disaggregated requests prefill)."""
+        from router.pd_policy import PDPolicyConfig
+
+        return PDPolicyConfig(self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens)
+
     def worker_bind_host(self) -> Optional[str]:
         """`kv_host` as decode workers get it: None means their node's address."""
         if self.kv_host != "auto":
@@ -92,9 +99,7 @@ class ServeConfig:
             raise ValueError("need at least one decode worker, and one prefill worker when disaggregated")
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ValueError(f"--cpus-per-worker must be positive, got {self.cpus_per_worker}")
-        from router.pd_policy import PDPolicyConfig
-
-        PDPolicyConfig(self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens)  # checks them
+        self.pd  # checks the policy's fields
         if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
             raise ValueError(f"--decode-interleave-tokens must be >= 1, got {self.decode_interleave_tokens}")
         if self.kv_timeout_s <= 0:
@@ -254,7 +259,6 @@ async def start_system(config: ServeConfig) -> System:
     from pdserve.pools import AutoscaleLoop, PoolManager
     from router.grpc_server import GenerationServicer, mark_serving, start_grpc_server
     from router.overload import AdmissionLimits
-    from router.pd_policy import PDPolicyConfig
     from router.pool import WorkerPool
     from router.router import Router, RouterConfig
     from router.validation import ValidationLimits
@@ -263,9 +267,8 @@ async def start_system(config: ServeConfig) -> System:
     tokenizer = load_tokenizer(config.model)
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
-    pd = PDPolicyConfig(config.pd_policy, config.local_prefill_max_tokens, config.pd_queue_margin_tokens)
     router = Router(RouterConfig(config.mode, kv_timeout_s=config.kv_timeout_s, limits=admission,
-                                 stream_interval=config.stream_interval, pd=pd), tokenizer,
+                                 stream_interval=config.stream_interval, pd=config.pd), tokenizer,
                     WorkerPool("prefill"), WorkerPool(decode_role))
     pools = PoolManager(config, router, epoch=int(time.time()))
     await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
