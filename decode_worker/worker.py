@@ -72,6 +72,9 @@ class DecodeWorker(ParkingEndpoints):
         self.receiver = create_receiver(transport, self.engine.kv_cache, self.engine.allocator, **receiver_options)
         self._handoffs: dict[str, _Handoff] = {}  # engine thread only
         self._next_unclaimed_check_s = 0.0
+        # request id -> expiry (monotonic s): aborts that found nothing, in case their request's own
+        # reserve call is yet to run here
+        self._aborted_unknown: dict[str, float] = {}
         self._served = 0
         self._kv_host = kv_host  # the token stream binds where the KV receiver does
         self._output_server = None  # grpc.aio.Server, started on the actor's event loop by output_address
@@ -96,6 +99,8 @@ class DecodeWorker(ParkingEndpoints):
     async def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float) -> bool:
         """Sets blocks aside for a prompt's KV; False (a reply, not an exception) when they are not free."""
         def reserve() -> bool:
+            if self._aborted_unknown.pop(request_id, None) is not None:
+                return False  # its abort overtook it (a Ray async actor may run calls out of order)
             try:
                 self.receiver.reserve(request_id, self.engine.allocator.blocks_needed(num_prompt_tokens), timeout_s)
             except OutOfBlocksError:
@@ -205,6 +210,8 @@ class DecodeWorker(ParkingEndpoints):
         if now < self._next_unclaimed_check_s:  # the poll runs every loop turn; deadlines are seconds away
             return
         self._next_unclaimed_check_s = now + _UNCLAIMED_CHECK_S
+        for request_id in [r for r, expiry_s in self._aborted_unknown.items() if expiry_s <= now]:
+            del self._aborted_unknown[request_id]
         for request_id, handoff in list(self._handoffs.items()):
             if handoff.block_ids is not None and not handoff.decoding and handoff.unclaimed_deadline_s <= now:
                 log.warning("KV of request %s was never claimed; freeing it", request_id)
@@ -228,6 +235,8 @@ class DecodeWorker(ParkingEndpoints):
             found = True
         if found:
             self.loop.publish(request_id, TokenChunk(request_id, (), finish_reason="abort"))
+        else:
+            self._aborted_unknown[request_id] = time.monotonic() + _ABORTED_UNKNOWN_KEEP_S
         return found
 
     def _on_output(self, output: RequestOutput) -> TokenChunk:
@@ -252,6 +261,7 @@ class DecodeWorker(ParkingEndpoints):
 
 _HEARTBEAT_S = 1.0
 _UNCLAIMED_CHECK_S = 0.5  # how often ready KV that nobody admitted is looked for
+_ABORTED_UNKNOWN_KEEP_S = 30.0  # how long an abort that found nothing refuses a late reserve of its id
 
 
 def _reachable(address: str) -> str:
