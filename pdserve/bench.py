@@ -19,6 +19,19 @@ Where vLLM leaves a choice open, ours:
   content per rate (from `seed` and the rate's index), so no rate finds an earlier rate's prompts in
   the prefix cache; `reuse_prompts` sends the very same prompts instead. Arrivals use `seed + index`;
 - figures over no data (no completed request, no request with two tokens) are None, not 0.
+
+The conversation dataset (`--dataset conversation`) runs `users` chats of `turns` turns each instead of
+independent prompts, through a chat backend (gRPC `chat` or OpenAI `messages`). Every user shares one
+random system prompt; each turn adds a fresh random user message and sends the whole history, the
+assistant's replies being the text the server streamed back. Its choices:
+- the arrival process starts users, not requests (an infinite rate starts them all at once); a user
+  sends its next turn once the previous reply has ended and its think time has passed;
+- think times are exponential with mean `think_time_s` (0: none), drawn from `seed` and the user, so
+  a sweep keeps them at every rate; texts follow the random dataset's rule (fresh per rate);
+- a failed turn ends its conversation (there is no reply to send back): later turns are not sent;
+- a chat prompt's token count is the server's (usage), 0 when it reports none;
+- per turn index: TTFT, the KV bytes the prefill worker shipped (gRPC only; None over HTTP) and the
+  cached prompt tokens the server reports.
 """
 
 from __future__ import annotations
@@ -37,9 +50,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pdserve.bench_backends import GrpcBackend, OpenAIBackend, StreamClock
-from pdserve.bench_metrics import RequestRecord, compute_metrics, format_result, format_sweep
+from pdserve.bench_metrics import RequestRecord, compute_metrics, format_result, format_sweep, per_turn_metrics
 
 BACKENDS = ("grpc", "openai", "openai-chat")
+DATASETS = ("random", "conversation")
+CHAT_BACKENDS = ("grpc", "openai-chat")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_PORTS = {"grpc": 50051, "openai": 8000, "openai-chat": 8000}
@@ -60,7 +75,13 @@ class BenchConfig:
     random_output_len: int = 128
     random_range_ratio: float = 0.0
     seed: int = 0
-    request_rates: tuple[float, ...] = (math.inf,)
+    dataset: str = "random"
+    users: int = 8  # conversation dataset: concurrent chats
+    turns: int = 4  # conversation dataset: user messages per chat
+    system_prompt_len: int = 256  # conversation dataset: tokens of the system prompt all users share (0: none)
+    turn_input_len: int = 64  # conversation dataset: tokens of each user message
+    think_time_s: float = 0.0  # conversation dataset: mean of the exponential pause between a user's turns
+    request_rates: tuple[float, ...] = (math.inf,)  # requests/s; the conversation dataset: users started/s
     burstiness: float = 1.0
     max_concurrency: Optional[int] = None
     timeout_s: float = 300.0
@@ -79,6 +100,15 @@ class BenchConfig:
             (self.random_input_len >= 1, f"--random-input-len must be >= 1, got {self.random_input_len}"),
             (self.random_output_len >= 1, f"--random-output-len must be >= 1, got {self.random_output_len}"),
             (0 <= self.random_range_ratio < 1, f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio}"),
+            (self.dataset in DATASETS, f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}"),
+            (self.dataset != "conversation" or self.backend in CHAT_BACKENDS,
+             f"--dataset conversation sends chat messages: --backend must be one of {', '.join(CHAT_BACKENDS)}, "
+             f"got {self.backend!r}"),
+            (self.users >= 1, f"--users must be >= 1, got {self.users}"),
+            (self.turns >= 1, f"--turns must be >= 1, got {self.turns}"),
+            (self.system_prompt_len >= 0, f"--system-prompt-len must be >= 0, got {self.system_prompt_len}"),
+            (self.turn_input_len >= 1, f"--turn-input-len must be >= 1, got {self.turn_input_len}"),
+            (self.think_time_s >= 0, f"--think-time-s must be >= 0, got {self.think_time_s}"),
             (bool(self.request_rates) and all(r > 0 for r in self.request_rates),
              f"--request-rate must be positive rates or inf, got {self.request_rates}"),
             (self.burstiness > 0, f"--burstiness must be > 0, got {self.burstiness}"),
@@ -118,6 +148,7 @@ class Prompt:
     token_ids: tuple[int, ...]  # what the gRPC backend sends; for a text prompt, what the server will count
     text: str  # empty for the gRPC backend
     output_len: int
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content): sent as chat messages instead of the above
 
     @property
     def prompt_len(self) -> int:
@@ -136,9 +167,7 @@ def random_prompts(tokenizer, config: BenchConfig, content_index: int = 0) -> li
     input_lens = _lengths(length_rng, config.random_input_len, config.random_range_ratio, config.num_prompts)
     output_lens = _lengths(length_rng, config.random_output_len, config.random_range_ratio, config.num_prompts)
     rng = np.random.default_rng([config.seed, content_index])
-    special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
-    special |= {*tokenizer.special.eos_token_ids, tokenizer.special.bos_token_id}  # a None BOS matches no id
-    vocab = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
+    vocab = _vocab(tokenizer)
     text_prompts = config.backend != "grpc"
     prompts, seen_prefixes = [], set()
     for input_len, output_len in zip(input_lens, output_lens):
@@ -151,6 +180,12 @@ def random_prompts(tokenizer, config: BenchConfig, content_index: int = 0) -> li
         seen_prefixes.add(tuple(counted[:_PREFIX_TOKENS]))
         prompts.append(Prompt(tuple(counted), text, output_len))
     return prompts
+
+
+def _vocab(tokenizer) -> np.ndarray:
+    special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+    special |= {*tokenizer.special.eos_token_ids, tokenizer.special.bos_token_id}  # a None BOS matches no id
+    return np.array([i for i in range(tokenizer.vocab_size) if i not in special])
 
 
 def _text_of_length(tokenizer, ids: list[int], target_len: int, rng: np.random.Generator, vocab: np.ndarray) -> str:
@@ -166,6 +201,35 @@ def _text_of_length(tokenizer, ids: list[int], target_len: int, rng: np.random.G
             ids = again + [int(i) for i in rng.choice(vocab, target_len - len(again))]
         text = tokenizer.decode(ids)
     return text
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One user's side of a chat, written in advance; the assistant's side is what the server answers."""
+    system_prompt: str  # the same for every user; empty: no system message
+    user_messages: tuple[str, ...]  # one per turn
+    think_times_s: tuple[float, ...]  # the pause before each turn after the first
+    output_len: int  # max_tokens of every turn
+
+
+def conversations(tokenizer, config: BenchConfig, content_index: int = 0) -> list[Conversation]:
+    """`users` conversations of `turns` random messages after one shared random system prompt. Texts
+    depend on (`seed`, `content_index`), think times on `seed` alone; each user draws from its own
+    generators, so a user's script does not depend on how many users there are."""
+    vocab = _vocab(tokenizer)
+
+    def text(rng: np.random.Generator, length: int) -> str:
+        return _text_of_length(tokenizer, [int(i) for i in rng.choice(vocab, length)], length, rng, vocab) if length else ""
+
+    system_prompt = text(np.random.default_rng([config.seed, content_index, 0]), config.system_prompt_len)
+    result = []
+    for user in range(config.users):
+        text_rng = np.random.default_rng([config.seed, content_index, 1 + user])
+        think_rng = np.random.default_rng([config.seed, user])
+        result.append(Conversation(system_prompt, tuple(text(text_rng, config.turn_input_len) for _ in range(config.turns)),
+                                   tuple(think_rng.exponential(config.think_time_s, config.turns - 1).tolist()),
+                                   config.random_output_len))
+    return result
 
 
 def arrival_times_s(num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -191,12 +255,7 @@ async def run_rate(config: BenchConfig, backend, prompts: Sequence[Prompt], requ
 
     async def one(prompt: Prompt, arrival_s: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, run_start_s + arrival_s - time.perf_counter()))
-        async with limit or nullcontext():
-            clock = StreamClock(run_start_s, prompt)
-            try:
-                record = await asyncio.wait_for(backend.send(prompt, clock), config.timeout_s)
-            except asyncio.TimeoutError:
-                record = clock.record(clock.tokens_seen, error=f"timed out after {config.timeout_s:g} s")
+        record = await _send(config, backend, prompt, limit, run_start_s)
         progress.update(1)
         return record
 
@@ -204,6 +263,56 @@ async def run_rate(config: BenchConfig, backend, prompts: Sequence[Prompt], requ
     records = await asyncio.gather(*(one(p, t) for p, t in zip(prompts, arrivals_s)))
     duration_s = time.perf_counter() - run_start_s
     progress.close()
+    return _rate_result(config, request_rate, records, duration_s)
+
+
+async def run_conversations(config: BenchConfig, backend, scripts: Sequence[Conversation], request_rate: float,
+                            arrival_seed: int = 0) -> dict:
+    """Plays `scripts` with users arriving at `request_rate` (see the module docstring); returns
+    `run_rate`'s result plus the figures per turn index (`per_turn`) and each request's turn."""
+    from tqdm import tqdm
+
+    arrivals_s = arrival_times_s(len(scripts), request_rate, config.burstiness, arrival_seed)
+    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    progress = tqdm(total=sum(len(c.user_messages) for c in scripts), disable=config.disable_tqdm,
+                    desc=f"rate {request_rate:g} users/s")
+
+    async def converse(script: Conversation, arrival_s: float) -> list[RequestRecord]:
+        await asyncio.sleep(max(0.0, run_start_s + arrival_s - time.perf_counter()))
+        history = [("system", script.system_prompt)] if script.system_prompt else []
+        records = []
+        for turn, (message, think_s) in enumerate(zip(script.user_messages, (0.0, *script.think_times_s)), start=1):
+            await asyncio.sleep(think_s)
+            history.append(("user", message))
+            record = await _send(config, backend, Prompt((), "", script.output_len, tuple(history)), limit, run_start_s)
+            records.append(replace(record, turn=turn))
+            progress.update(1)
+            if not record.success:
+                break
+            history.append(("assistant", record.reply_text))
+        return records
+
+    run_start_s = time.perf_counter()
+    records = [r for user in await asyncio.gather(*(converse(c, t) for c, t in zip(scripts, arrivals_s))) for r in user]
+    duration_s = time.perf_counter() - run_start_s
+    progress.close()
+    result = _rate_result(config, request_rate, records, duration_s)
+    result["per_turn"] = per_turn_metrics(records, config.reported_percentiles)
+    result["requests"]["turns"] = [r.turn for r in records]
+    return result
+
+
+async def _send(config: BenchConfig, backend, prompt: Prompt, limit: Optional[asyncio.Semaphore],
+                run_start_s: float) -> RequestRecord:
+    async with limit or nullcontext():
+        clock = StreamClock(run_start_s, prompt)
+        try:
+            return await asyncio.wait_for(backend.send(prompt, clock), config.timeout_s)
+        except asyncio.TimeoutError:
+            return clock.record(clock.tokens_seen, error=f"timed out after {config.timeout_s:g} s")
+
+
+def _rate_result(config: BenchConfig, request_rate: float, records: Sequence[RequestRecord], duration_s: float) -> dict:
     metrics = compute_metrics(records, duration_s, config.reported_percentiles, dict(config.goodput_slos_ms) or None)
     errors = list(dict.fromkeys(r.error for r in records if not r.success))
     return {
@@ -214,6 +323,7 @@ async def run_rate(config: BenchConfig, backend, prompts: Sequence[Prompt], requ
             "input_lens": [r.prompt_len for r in records], "output_lens": [r.output_len for r in records],
             "ttfts_s": [r.ttft_s for r in records], "itls_s": [r.itls_s for r in records],
             "e2els_s": [r.e2el_s for r in records], "start_times_s": [r.start_s for r in records],
+            "kv_bytes": [r.kv_bytes for r in records], "cached_prompt_tokens": [r.cached_prompt_tokens for r in records],
             "errors": [r.error for r in records],
         },
     }
@@ -232,8 +342,13 @@ async def run_bench(config: BenchConfig, tokenizer=None) -> dict:
     try:
         await backend.open()
         for index, rate in enumerate(config.request_rates):
-            prompts = random_prompts(tokenizer, config, 0 if config.reuse_prompts else index)
-            result = await run_rate(config, backend, prompts, rate, arrival_seed=config.seed + index)
+            content_index = 0 if config.reuse_prompts else index
+            if config.dataset == "conversation":
+                scripts = conversations(tokenizer, config, content_index)
+                result = await run_conversations(config, backend, scripts, rate, arrival_seed=config.seed + index)
+            else:
+                prompts = random_prompts(tokenizer, config, content_index)
+                result = await run_rate(config, backend, prompts, rate, arrival_seed=config.seed + index)
             print(format_result(result, config), flush=True)
             results.append(result)
     finally:
@@ -289,7 +404,8 @@ def _goodput(pair: str) -> tuple[str, float]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="load-test a running server with random prompts (like `vllm bench serve`)")
+    p = subparsers.add_parser("bench", help="load-test a running server with random prompts (like `vllm bench serve`) "
+                                            "or multi-turn conversations")
     p.add_argument("--backend", default="grpc", choices=BACKENDS)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default: 50051 (grpc), 8000 (HTTP backends)")
@@ -299,14 +415,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokenizer for the prompts: 'default', a .gguf file or an HF directory")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (HTTP header or gRPC metadata)")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this root certificate")
-    p.add_argument("--dataset-name", default="random", choices=["random"])
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--dataset-name", "--dataset", dest="dataset", default="random", choices=DATASETS,
+                   help="random: independent prompts; conversation: --users chats of --turns turns, each turn "
+                        "sending the whole history (a shared system prompt, every earlier message and reply); "
+                        "needs --backend grpc or openai-chat")
+    p.add_argument("--num-prompts", type=int, default=100, help="random dataset")
     p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=128, help="max_tokens of every request (and turn)")
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--users", type=int, default=8, help="conversation dataset: concurrent chats")
+    p.add_argument("--turns", type=int, default=4, help="conversation dataset: user messages per chat")
+    p.add_argument("--system-prompt-len", type=int, default=256,
+                   help="conversation dataset: tokens of the system prompt every user shares (0: none)")
+    p.add_argument("--turn-input-len", type=int, default=64, help="conversation dataset: tokens of each user message")
+    p.add_argument("--think-time-s", type=float, default=0.0,
+                   help="conversation dataset: mean pause between a reply and the user's next turn, exponential "
+                        "and seeded (0: none)")
     p.add_argument("--request-rate", type=_floats, default=(math.inf,),
-                   help="requests/s, or a comma-separated sweep (0.5,1,2,inf); inf sends all at once (default)")
+                   help="requests/s, or a comma-separated sweep (0.5,1,2,inf); inf sends all at once (default); "
+                        "conversation dataset: users started/s")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1.0 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--reuse-prompts", action="store_true",
@@ -334,6 +462,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         backend=args.backend, host=args.host, port=args.port, model=args.model, tokenizer=args.tokenizer,
         api_key=args.api_key, tls_ca=args.tls_ca, num_prompts=args.num_prompts, random_input_len=args.random_input_len,
         random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio, seed=args.seed,
+        dataset=args.dataset, users=args.users, turns=args.turns, system_prompt_len=args.system_prompt_len,
+        turn_input_len=args.turn_input_len, think_time_s=args.think_time_s,
         request_rates=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         timeout_s=args.timeout_s,
         percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),

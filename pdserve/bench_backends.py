@@ -1,5 +1,7 @@
 """`pdserve bench`'s backends: one streamed request over the pdserve gRPC API or an OpenAI-compatible
-HTTP API, timed into a `RequestRecord` (TTFT at the first chunk with output, a gap per later chunk)."""
+HTTP API, timed into a `RequestRecord` (TTFT at the first chunk with output, a gap per later chunk),
+with the reply's text and what the server reports of the KV it shipped and the prompt tokens it found
+cached. A prompt with `messages` goes as chat messages (gRPC `chat`, OpenAI `messages`)."""
 
 from __future__ import annotations
 
@@ -36,16 +38,18 @@ class StreamClock:
         self._last_s = now
         self.tokens_seen += num_tokens
 
-    def record(self, output_len: int, prompt_len: Optional[int] = None, error: str = "") -> RequestRecord:
+    def record(self, output_len: int, prompt_len: Optional[int] = None, error: str = "", kv_bytes: Optional[int] = None,
+               cached_prompt_tokens: Optional[int] = None, reply_text: str = "") -> RequestRecord:
         if not error and self.ttft_s is None:
             error = "the stream ended without output"
         return RequestRecord(success=not error, prompt_len=prompt_len or self.prompt.prompt_len, output_len=output_len,
                              ttft_s=self.ttft_s, itls_s=self.itls_s, e2el_s=time.perf_counter() - self.start_s,
-                             start_s=self.start_s - self.run_start_s, error=error)
+                             start_s=self.start_s - self.run_start_s, error=error, kv_bytes=kv_bytes,
+                             cached_prompt_tokens=cached_prompt_tokens, reply_text=reply_text)
 
 
 class GrpcBackend:
-    """`pdserve.v1.Generation/Generate`, the prompt sent as token ids."""
+    """`pdserve.v1.Generation/Generate`, the prompt sent as token ids or chat messages."""
 
     def __init__(self, config: BenchConfig):
         import grpc
@@ -74,13 +78,18 @@ class GrpcBackend:
 
         from pdserve_proto import pdserve_pb2 as pb
 
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt.token_ids), sampling=pb.SamplingParams(
-            max_tokens=prompt.output_len, temperature=0, ignore_eos=True))
-        final = None
+        sampling = pb.SamplingParams(max_tokens=prompt.output_len, temperature=0, ignore_eos=True)
+        if prompt.messages:
+            chat = pb.ChatMessages(messages=[pb.ChatMessage(role=role, content=content) for role, content in prompt.messages])
+            request = pb.GenerateRequest(chat=chat, sampling=sampling)
+        else:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt.token_ids), sampling=sampling)
+        final, texts = None, []
         try:
             async for response in self.stub.Generate(request, metadata=self.metadata):
                 if response.token_ids:
                     clock.chunk(len(response.token_ids))
+                texts.append(response.text)
                 if response.finish_reason:
                     final = response
         except grpc.aio.AioRpcError as error:
@@ -88,7 +97,9 @@ class GrpcBackend:
         if final is None or final.finish_reason == "abort":
             reason = "the stream ended without a finish reason" if final is None else "the server aborted the request"
             return clock.record(clock.tokens_seen, error=reason)
-        return clock.record(final.usage.completion_tokens or clock.tokens_seen, final.usage.prompt_tokens)
+        return clock.record(final.usage.completion_tokens or clock.tokens_seen, final.usage.prompt_tokens,
+                            kv_bytes=final.timings.kv_bytes, cached_prompt_tokens=final.usage.cached_prompt_tokens,
+                            reply_text="".join(texts))
 
 
 class OpenAIBackend:
@@ -131,7 +142,8 @@ class OpenAIBackend:
         common = {"model": self.model, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                   "ignore_eos": True}
         if self.chat:
-            return {**common, "messages": [{"role": "user", "content": prompt.text}],
+            messages = prompt.messages or (("user", prompt.text),)
+            return {**common, "messages": [{"role": role, "content": content} for role, content in messages],
                     "max_completion_tokens": prompt.output_len}
         return {**common, "prompt": prompt.text, "max_tokens": prompt.output_len}
 
@@ -164,6 +176,8 @@ class OpenAIBackend:
             return clock.record(0, error=f"{type(error).__name__}: {error}")
         if not done:
             return clock.record(0, error="the stream ended without data: [DONE]")
-        usage = usage or {}
-        output_len = usage.get("completion_tokens") or len(self.tokenizer.encode("".join(texts), add_special_tokens=False))
-        return clock.record(output_len, usage.get("prompt_tokens"))
+        usage, reply_text = usage or {}, "".join(texts)
+        output_len = usage.get("completion_tokens") or len(self.tokenizer.encode(reply_text, add_special_tokens=False))
+        cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return clock.record(output_len, usage.get("prompt_tokens"), cached_prompt_tokens=cached_prompt_tokens,
+                            reply_text=reply_text)

@@ -1,5 +1,6 @@
 """`pdserve bench`'s figures: the per-request record, vLLM's serving metrics computed from records (a
-pure function, testable without a server), and the result tables as vLLM prints them."""
+pure function, testable without a server), the per-turn figures of the conversation dataset, and the
+result tables as vLLM prints them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ class RequestRecord:
     e2el_s: float  # for a failed request: the time until it failed
     start_s: float  # from the start of the run
     error: str = ""
+    kv_bytes: Optional[int] = None  # KV shipped from the prefill to the decode worker; None: the backend cannot know
+    cached_prompt_tokens: Optional[int] = None  # as the server reports them; None: it reports none
+    reply_text: str = ""  # the generated text as streamed: a conversation's next turn sends it back
+    turn: Optional[int] = None  # 1-based turn within its conversation; None outside the conversation dataset
 
     @property
     def tpot_s(self) -> Optional[float]:
@@ -59,14 +64,42 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, percent
         good = [r for r in done if all(_slo_value_ms(r, name) <= slo_ms for name, slo_ms in goodput_slos_ms.items())]
         result["request_goodput"] = len(good) / duration_s
     for name, values_s in samples_s.items():
-        values_ms = np.asarray(values_s, dtype=float) * 1e3
-        empty = values_ms.size == 0
-        result[f"mean_{name}_ms"] = None if empty else float(values_ms.mean())
-        result[f"median_{name}_ms"] = None if empty else float(np.median(values_ms))
-        result[f"std_{name}_ms"] = None if empty else float(values_ms.std())
-        for p in percentiles:
-            result[f"p{_percentile_name(p)}_{name}_ms"] = None if empty else float(np.percentile(values_ms, p))
+        result.update(_latency_stats_ms(name, values_s, percentiles))
     return result
+
+
+def per_turn_metrics(records: Sequence[RequestRecord], percentiles: Sequence[float] = (50.0, 99.0)) -> list[dict]:
+    """The conversation dataset's figures per turn index (records without a turn are left out): requests
+    completed and failed, and over the completed ones the mean prompt tokens, TTFT statistics, the mean
+    KV bytes shipped and the mean cached prompt tokens, each mean over the requests that report the
+    value (None when none does: the OpenAI backends never know KV bytes)."""
+    per_turn = []
+    for turn in sorted({r.turn for r in records if r.turn is not None}):
+        sent = [r for r in records if r.turn == turn]
+        done = [r for r in sent if r.success]
+        per_turn.append({
+            "turn": turn, "completed": len(done), "failed": len(sent) - len(done),
+            "mean_input_tokens": _mean([r.prompt_len for r in done]),
+            **_latency_stats_ms("ttft", [r.ttft_s for r in done], percentiles),
+            "mean_kv_bytes": _mean([r.kv_bytes for r in done if r.kv_bytes is not None]),
+            "mean_cached_prompt_tokens": _mean([r.cached_prompt_tokens for r in done if r.cached_prompt_tokens is not None]),
+        })
+    return per_turn
+
+
+def _latency_stats_ms(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict:
+    values_ms = np.asarray(values_s, dtype=float) * 1e3
+    empty = values_ms.size == 0
+    stats = {f"mean_{name}_ms": None if empty else float(values_ms.mean()),
+             f"median_{name}_ms": None if empty else float(np.median(values_ms)),
+             f"std_{name}_ms": None if empty else float(values_ms.std())}
+    for p in percentiles:
+        stats[f"p{_percentile_name(p)}_{name}_ms"] = None if empty else float(np.percentile(values_ms, p))
+    return stats
+
+
+def _mean(values: Sequence[float]) -> Optional[float]:
+    return float(np.mean(values)) if values else None
 
 
 def _slo_value_ms(record: RequestRecord, name: str) -> float:
@@ -119,6 +152,8 @@ def format_result(result: dict, config: BenchConfig) -> str:
         lines.append(_row(f"Median {short} (ms):", result[f"median_{name}_ms"]))
         for p in config.metric_percentiles:
             lines.append(_row(f"P{_percentile_name(p)} {short} (ms):", result[f"p{_percentile_name(p)}_{name}_ms"]))
+    if result.get("per_turn"):
+        lines += _per_turn_table(result["per_turn"])
     if result["distinct_errors"]:
         lines.append("{s:{c}^{n}}".format(s="Errors (first distinct)", n=50, c="-"))
         lines += [f"  {error}" for error in result["distinct_errors"][:_MAX_ERRORS_SHOWN]]
@@ -126,9 +161,25 @@ def format_result(result: dict, config: BenchConfig) -> str:
     return "\n".join(lines)
 
 
+def _per_turn_table(per_turn: Sequence[dict]) -> list[str]:
+    lines = ["{s:{c}^{n}}".format(s="Per turn of the conversations", n=50, c="-"),
+             f"{'turn':>4} {'done':>5} {'in tok':>7} {'TTFT p50/p99 ms':>16} {'KV MiB':>7} {'cached':>6}"]
+    for t in per_turn:
+        kv_mib = None if t["mean_kv_bytes"] is None else t["mean_kv_bytes"] / 2**20
+        lines.append(f"{t['turn']:>4} {t['completed']:>5} {_fixed(t['mean_input_tokens'], 0):>7} "
+                     f"{_fixed(t['p50_ttft_ms'], 1) + '/' + _fixed(t['p99_ttft_ms'], 1):>16} {_fixed(kv_mib, 2):>7} "
+                     f"{_fixed(t['mean_cached_prompt_tokens'], 0):>6}")
+    lines.append("(in tok, KV MiB and cached: means per completed request; n/a: not reported)")
+    return lines
+
+
+def _fixed(value: Optional[float], decimals: int) -> str:
+    return "n/a" if value is None else f"{value:.{decimals}f}"
+
+
 def format_sweep(report: dict) -> str:
     def ms(value) -> str:
-        return "n/a" if value is None else f"{value:.1f}"
+        return _fixed(value, 1)
 
     lines = [f"{'rate':>8} {'done':>5} {'fail':>5} {'req/s':>7} {'good/s':>7} {'out tok/s':>9} "
              f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17} {'ITL p50/p99 ms':>17}"]

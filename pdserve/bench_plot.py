@@ -32,6 +32,7 @@ def plot_report(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = report["results"]
+    conversation = report["config"].get("dataset") == "conversation"  # its rate starts users, not requests
     positions = list(range(len(results)))
     figure, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     for ax, (title, unit, series) in zip(axes.flat, _PANELS):
@@ -50,12 +51,17 @@ def plot_report(report: dict, path: str) -> None:
         ax.set_ylim(0, 1.15 * max(shown) if shown and max(shown) > 0 else 1)  # from zero, room above the top point
         ax.set_xticks(positions, [_rate_label(r["request_rate"]) for r in results])
         ax.set_xlim(-0.5, len(results) - 0.5)
-        ax.set_xlabel("request rate (requests / s)")
+        ax.set_xlabel("users started / s" if conversation else "request rate (requests / s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="best")
     config = report["config"]
-    figure.suptitle(f"pdserve bench: {report['backend']} backend, model {report['model']}, {config['num_prompts']} prompts "
-                    f"per rate, input {config['random_input_len']} / output {config['random_output_len']} tokens"
+    if conversation:
+        workload = (f"{config['users']} users x {config['turns']} turns, system {config['system_prompt_len']} / "
+                    f"turn {config['turn_input_len']} / output {config['random_output_len']} tokens")
+    else:
+        workload = (f"{config['num_prompts']} prompts per rate, input {config['random_input_len']} / "
+                    f"output {config['random_output_len']} tokens")
+    figure.suptitle(f"pdserve bench: {report['backend']} backend, model {report['model']}, {workload}"
                     + (f", max concurrency {config['max_concurrency']}" if config["max_concurrency"] else ""))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
