@@ -19,10 +19,9 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence, Union
 
 import grpc
-import msgpack
 
 from engine.block_manager import OutOfBlocksError
 from engine.llm_engine import EngineConfig, RequestOutput
@@ -31,7 +30,7 @@ from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
 from protocol.addresses import host_port
 from protocol.messages import WorkerInfo, WorkerLoad
-from protocol.token_stream import OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, encode_chunks
+from protocol.token_stream import OUTPUT_STREAM_SERVICE, TokenChunk, encode_chunks, encode_hello
 from runtime.engine_loop import EngineLoop
 from runtime.parking import Parking, ParkingEndpoints
 from runtime.startup import describe, node_ip_address, start_engine
@@ -82,9 +81,9 @@ class DecodeWorker(ParkingEndpoints):
         self._output_secret = secrets.token_hex(16)
         self._output_channel: Optional[asyncio.Queue] = None  # the current subscription's
         self.parking = Parking()
-        self.receiver.reservations.before_payload = lambda request_id: self.parking.hold("transfer", request_id)
+        self.receiver.before_payload = lambda request_id: self.parking.hold("transfer", request_id)
         self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output,
-                               expecting_events=lambda: self.receiver.reservations.num_reserved_requests > 0)
+                               expecting_events=lambda: self.receiver.num_reserved_requests > 0)
 
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, self.role, self._kv_address())
@@ -96,23 +95,30 @@ class DecodeWorker(ParkingEndpoints):
 
     # -- disaggregated path --------------------------------------------------------------------
 
-    async def reserve(self, request_id: str, num_prompt_tokens: int, timeout_s: float) -> bool:
-        """Sets blocks aside for a prompt's KV; False (a reply, not an exception) when they are not free."""
-        def reserve() -> bool:
+    async def reserve(self, request_id: str, prompt: Union[Sequence[int], int], timeout_s: float) -> Optional[int]:
+        """Sets blocks aside for a prompt's KV. `prompt`: its token ids, and the blocks of its prefix that
+        this worker holds (an earlier turn, a shared system prompt) are reused rather than sent; or only
+        its length. Returns how many leading blocks are reused (the prefill worker sends the others), or
+        None (a reply, not an exception) when the blocks are not free."""
+        def reserve() -> Optional[int]:
             if self._aborted_unknown.pop(request_id, None) is not None:
-                return False  # its abort overtook it (a Ray async actor may run calls out of order)
+                return None  # its abort overtook it (a Ray async actor may run calls out of order)
             try:
-                self.receiver.reserve(request_id, self.engine.allocator.blocks_needed(num_prompt_tokens), timeout_s)
+                if isinstance(prompt, int):
+                    self.receiver.reserve(request_id, self.engine.allocator.blocks_needed(prompt), timeout_s)
+                    reused = 0
+                else:
+                    reused = self.receiver.reserve_prompt(request_id, prompt, timeout_s)[1]
             except OutOfBlocksError:
-                return False
+                return None
             self._handoffs[request_id] = _Handoff(timeout_s)
-            return True
+            return reused
 
         return await self.loop.call(reserve)
 
     async def renew(self, request_id: str, timeout_s: float) -> bool:
         """Restarts a reservation's clock (its prompt still waits for prefill); False when it is gone."""
-        return await self.loop.call(lambda: self.receiver.reservations.renew(request_id, timeout_s))
+        return await self.loop.call(lambda: self.receiver.renew(request_id, timeout_s))
 
     async def deliver(self, deliveries: Sequence) -> None:
         for delivery in deliveries:  # a failure is reported to the request's stream by the next poll
@@ -164,8 +170,11 @@ class DecodeWorker(ParkingEndpoints):
         if self._output_channel is not None:
             self._output_channel.put_nowait(None)
         channel = self._output_channel = self.loop.open_channel()
+        allocator = self.engine.allocator
         try:
-            yield msgpack.packb([OUTPUT_STREAM_VERSION, self.worker_id])
+            # The router's index of which prefixes live here starts from what the cache holds now; the
+            # hash events of each step then travel with its chunks.
+            yield encode_hello(self.worker_id, await self.loop.call(allocator.track_events))
             while True:
                 try:
                     batch = await asyncio.wait_for(channel.get(), _HEARTBEAT_S)
@@ -175,7 +184,7 @@ class DecodeWorker(ParkingEndpoints):
                     return
                 yield encode_chunks([item if isinstance(item, TokenChunk) else
                                      TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
-                                     for request_id, item in batch])
+                                     for request_id, item in batch], allocator.drain_events())
         finally:  # the router went away, cancelled the call, or a new subscription replaced this one
             self.loop.close_channel(channel)
             if self._output_channel is channel:

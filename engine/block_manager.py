@@ -5,10 +5,15 @@ computed gets a hash chained from its predecessor's hash and its own token ids, 
 share a prefix share its blocks (each holder counts one reference). A block whose last reference is
 dropped goes back to the free list but keeps its hash: until it is handed out again, a later prompt
 with the same prefix revives it instead of recomputing it.
+
+With `track_events()`, the allocator also logs each hash it starts and stops holding (a block's hash is
+forgotten when the block is handed out again): a worker forwards that log to the router, whose index
+of which worker holds which prefix it feeds (router/kv_index.py).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import struct
 from typing import Optional, Sequence
@@ -26,6 +31,21 @@ def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size_tokens: int) -> list[bytes]:
+    """The chained hashes of a prompt's blocks that a cache could serve: its full blocks, short of the
+    last token (whose logits must be computed)."""
+    hashes, parent = [], _NO_PARENT
+    for index in range((len(prompt_token_ids) - 1) // block_size_tokens):
+        parent = chain_hash(parent, prompt_token_ids[index * block_size_tokens:(index + 1) * block_size_tokens])
+        hashes.append(parent)
+    return hashes
+
+
+# A hash event: (True, hash) the allocator now holds a block with this hash; (False, hash) it no longer does.
+KVEvent = tuple[bool, bytes]
+_MAX_PENDING_EVENTS = 1 << 16  # beyond this, the oldest are dropped: the router's index may then guess wrong
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size_tokens: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size_tokens < 1:
@@ -38,6 +58,26 @@ class BlockAllocator:
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
         self._block_hash: list[Optional[bytes]] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
+        self._events: Optional[collections.deque] = None  # see `track_events`
+
+    def track_events(self) -> list[bytes]:
+        """Starts (or restarts) the hash-event log; returns the hashes held now, from which the events
+        continue. Owner thread only; `drain_events` may then run on any thread."""
+        self._events = collections.deque(maxlen=_MAX_PENDING_EVENTS)
+        return list(self._hash_to_block)
+
+    def drain_events(self) -> list[KVEvent]:
+        """The hash events logged since the last drain, oldest first (thread-safe against the owner)."""
+        events = self._events
+        if events is None:
+            return []
+        drained = []
+        while events:
+            try:
+                drained.append(events.popleft())
+            except IndexError:
+                break
+        return drained
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,15 +108,13 @@ class BlockAllocator:
         At least the prompt's last token is always left uncached: its logits are needed.
         """
         size = self.block_size_tokens
-        reusable = (len(prompt_token_ids) - 1) // size if self.enable_prefix_caching else 0
         cached: list[int] = []
-        parent = _NO_PARENT
-        for index in range(reusable):
-            parent = chain_hash(parent, prompt_token_ids[index * size : (index + 1) * size])
-            block_id = self._hash_to_block.get(parent)
-            if block_id is None:
-                break
-            cached.append(block_id)
+        if self.enable_prefix_caching:
+            for block_hash in prompt_block_hashes(prompt_token_ids, size):
+                block_id = self._hash_to_block.get(block_hash)
+                if block_id is None:
+                    break
+                cached.append(block_id)
         fresh_needed = self.blocks_needed(len(prompt_token_ids)) - len(cached)
         revived = sum(1 for b in cached if self._ref_counts[b] == 0)
         if fresh_needed + revived > len(self._free):
@@ -101,6 +139,8 @@ class BlockAllocator:
             if self._block_hash[block_id] is None and parent not in self._hash_to_block:
                 self._block_hash[block_id] = parent
                 self._hash_to_block[parent] = block_id
+                if self._events is not None:
+                    self._events.append((True, parent))
 
     def free(self, block_ids: Sequence[int]) -> None:
         for block_id in block_ids:
@@ -117,3 +157,5 @@ class BlockAllocator:
             self._block_hash[block_id] = None
             if self._hash_to_block.get(block_hash) == block_id:
                 del self._hash_to_block[block_hash]
+                if self._events is not None:
+                    self._events.append((False, block_hash))

@@ -165,6 +165,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_ids), params, output_token_ids=[first_token_id], block_ids=list(block_ids),
                        num_computed_tokens=len(prompt_ids), arrival_time_s=time.monotonic())
         self._seqs[request_id] = seq
+        self.allocator.register_computed(seq.prompt_token_ids, seq.block_ids, len(prompt_ids))  # later prompts find it
         if self._needs_text(params):
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
             detok.add_token(first_token_id)  # its text was streamed by the prefill side

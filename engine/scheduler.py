@@ -136,6 +136,9 @@ class Scheduler:
             seq.num_computed_tokens += 1
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        # Its decoded tokens' full blocks become findable too: a conversation's next turn, which resends
+        # this answer, finds them cached.
+        self.allocator.register_computed(seq.token_ids, seq.block_ids, seq.num_computed_tokens)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

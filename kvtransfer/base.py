@@ -20,6 +20,9 @@ Receiver (decode worker)
     reserve(request_id, num_blocks, timeout_s) -> block ids
         Allocates the blocks before any KV is sent; if not all layers arrive and verify within
         `timeout_s`, the reservation expires and its blocks are freed at the next `poll`.
+    reserve_prompt(request_id, prompt_ids, timeout_s) -> (block ids, reused)
+        The same for a prompt whose first `reused` blocks this cache already holds: only the blocks
+        after them are sent (the sender's `start` gets those).
     deliver(delivery)           installs a routed delivery (ray); in-band transports install by themselves.
     poll() -> ReceiverEvents    ready requests (every layer arrived, every checksum verified) pass their
                                 block ids to the caller, who owns them from then on; failed, aborted
@@ -113,31 +116,23 @@ class KVSender(ABC):
         return len(held.layers_sent) == self.layout.num_layers
 
 
-class KVReceiver(ABC):
+class KVReceiver(Reservations, ABC):
+    """The receiving end: its reservations (kvtransfer/reservations.py), plus where senders reach it."""
+
     def __init__(self, cache: PagedKVCache, allocator: BlockAllocator):
-        self.cache = cache
+        super().__init__(cache, allocator)
         self.layout: KVLayout = cache.layout
-        self.reservations = Reservations(cache, allocator)
 
     @property
     def address(self) -> Optional[str]:
         """Where senders reach this receiver (grpc: host:port); None where deliveries are routed."""
         return None
 
-    def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
-        return self.reservations.reserve(request_id, num_blocks, timeout_s)
-
     def deliver(self, delivery: KVDelivery) -> bool:
         raise NotImplementedError(f"{type(self).__name__} receives in-band; nothing to deliver")
 
-    def poll(self) -> ReceiverEvents:
-        return self.reservations.poll()
-
-    def abort(self, request_id: str) -> bool:
-        return self.reservations.abort(request_id)
-
     def close(self) -> None:
-        self.reservations.cancel_all()
+        self.cancel_all()
 
 
 __all__ = ["KVSender", "KVReceiver", "KVDelivery", "SenderEvents", "ReceiverEvents", "KVTransferError"]

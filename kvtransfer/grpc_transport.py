@@ -203,7 +203,7 @@ class GrpcKVReceiver(KVReceiver):
                 not isinstance(fields.get("request_id"), str):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WireFormatError: malformed KV abort notice")
         request_id = fields["request_id"]
-        self.reservations.fail(request_id, errors.TransferAbortedError(
+        self.fail(request_id, errors.TransferAbortedError(
             f"request {request_id!r} aborted by sender {fields.get('sender_id')!r}", request_id),
             sender=(fields.get("sender_id"), fields.get("sender_epoch")))
         return b""
@@ -221,7 +221,7 @@ class GrpcKVReceiver(KVReceiver):
                         self._contexts[request_id] = context
                 elif header.request_id != request_id:
                     raise errors.WireFormatError(f"stream of request {request_id!r} carried {header.request_id!r}")
-                self.reservations.check(header)
+                self.check(header)
                 ready = self._receive_group(frames, header)
                 groups += 1
             if not ready:
@@ -241,7 +241,7 @@ class GrpcKVReceiver(KVReceiver):
             return msgpack.packb({"request_id": request_id, "ready": True})
         failed_id = request_id or failure.request_id
         if failed_id is not None:
-            self.reservations.fail(failed_id, failure)
+            self.fail(failed_id, failure)
         logger.warning("KV receive failed: %s", failure)
         context.abort(_status_for(failure), f"{type(failure).__name__}: {failure}")
 
@@ -263,6 +263,6 @@ class GrpcKVReceiver(KVReceiver):
                         f"{header.payload_bytes} bytes", header.request_id)
                 target[received:end] = np.frombuffer(chunk, dtype=np.uint8)
                 received = end
-            return self.reservations.install(header, target)
+            return self.install(header, target)
         finally:
             self._buffers.release(buffer)

@@ -56,16 +56,16 @@ class RayKVReceiver(KVReceiver):
         header = None
         try:
             header = KVGroupHeader.decode(delivery.header, self.layout)
-            self.reservations.check(header)
+            self.check(header)
             try:
                 payload = ray.get(delivery.payload, timeout=self.get_timeout_s)
             except (ray.exceptions.RayError, TimeoutError) as error:
                 raise TransferAbortedError(
                     f"KV payload of request {header.request_id!r} is unreachable (sender gone?): "
                     f"{type(error).__name__}", header.request_id) from error
-            return self.reservations.install(header, payload)
+            return self.install(header, payload)
         except KVTransferError as error:
             request_id = header.request_id if header is not None else error.request_id
             if request_id is not None:
-                self.reservations.fail(request_id, error)
+                self.fail(request_id, error)
             raise

@@ -1,11 +1,14 @@
 """The receiver's side of block ownership: reservations that KV layer groups are installed into.
 
 The decode worker reserves a request's blocks (`reserve`, which allocates them) before any KV is sent.
-Transports install verified layer groups into those blocks from any thread (`install`); a request is
-ready only once every layer has arrived and passed its checksum. The allocator is touched only by the
-owner's thread: in `reserve`, `abort` and `poll`. `poll` hands ready requests' blocks to the caller
-(ownership moves; the caller frees them when the sequence ends) and frees the blocks of requests that
-failed, were aborted by the sender, or whose reservation expired.
+With `reserve_prompt`, the leading blocks of the prompt that this cache already holds (an earlier turn
+of the conversation, a shared system prompt) are taken as they are, one more reference each, and only
+the blocks after them are sent. Transports install verified layer groups into the rest from any thread
+(`install`); a request is ready only once every layer has arrived and passed its checksum. The
+allocator is touched only by the owner's thread: in `reserve`, `abort` and `poll`. `poll` hands ready
+requests' blocks (reused ones first) to the caller (ownership moves; the caller frees them when the
+sequence ends) and frees the blocks of requests that failed, were aborted by the sender, or whose
+reservation expired. A reused block is never evicted while reserved: its reference keeps it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from engine.block_manager import BlockAllocator
 from engine.kv_cache import PagedKVCache
@@ -31,7 +34,8 @@ from kvtransfer.wire import KVGroupHeader, checksum, payload_as_kv
 @dataclass
 class _Reservation:
     request_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # every block of the prompt: `num_reused` cached ones, then those being sent
+    num_reused: int
     deadline_s: float
     layers_arrived: list[bool]
     sender: Optional[tuple[str, int]] = None  # (sender id, epoch) bound at the first group
@@ -50,6 +54,8 @@ class ReceiverEvents:
 
 
 class Reservations:
+    """Every reservation of one receiver (the decode side's `KVReceiver` is one)."""
+
     def __init__(self, cache: PagedKVCache, allocator: BlockAllocator, clock: Callable[[], float] = time.monotonic):
         self.cache = cache
         self.allocator = allocator
@@ -61,11 +67,25 @@ class Reservations:
         self.before_payload: Optional[Callable[[str], None]] = None
 
     def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
+        """Allocates `num_blocks` blocks for KV yet to arrive (OutOfBlocksError when they are not free)."""
+        self._check_new(request_id)
+        return self._add(request_id, self.allocator.allocate(num_blocks), 0, timeout_s)
+
+    def reserve_prompt(self, request_id: str, prompt_ids: Sequence[int], timeout_s: float) -> tuple[list[int], int]:
+        """Blocks for a prompt's KV, reusing the cached blocks of its prefix; returns (all its block ids,
+        how many leading ones are reused: the sender skips those)."""
+        self._check_new(request_id)
+        block_ids, cached_tokens = self.allocator.allocate_prompt(prompt_ids)
+        num_reused = cached_tokens // self.allocator.block_size_tokens
+        return self._add(request_id, block_ids, num_reused, timeout_s), num_reused
+
+    def _check_new(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._by_request:
                 raise ValueError(f"request {request_id!r} already holds a KV reservation")
-        block_ids = self.allocator.allocate(num_blocks)
-        reservation = _Reservation(request_id, block_ids, self.clock() + timeout_s,
+
+    def _add(self, request_id: str, block_ids: list[int], num_reused: int, timeout_s: float) -> list[int]:
+        reservation = _Reservation(request_id, block_ids, num_reused, self.clock() + timeout_s,
                                    [False] * self.cache.layout.num_layers)
         with self._lock:
             self._by_request[request_id] = reservation
@@ -114,10 +134,10 @@ class Reservations:
             raise TransferAbortedError(
                 f"request {header.request_id!r} is bound to sender {reservation.sender}, not {sender}",
                 header.request_id)
-        if header.num_blocks != len(reservation.block_ids):
+        if header.num_blocks != len(reservation.block_ids) - reservation.num_reused:
             raise WireFormatError(
                 f"request {header.request_id!r}: {header.num_blocks} blocks sent, "
-                f"{len(reservation.block_ids)} reserved", header.request_id)
+                f"{len(reservation.block_ids) - reservation.num_reused} expected", header.request_id)
         if any(reservation.layers_arrived[header.layer_start:header.layer_stop]):
             raise WireFormatError(
                 f"request {header.request_id!r}: layers [{header.layer_start}, {header.layer_stop}) "
@@ -138,7 +158,8 @@ class Reservations:
                     f"nothing installed", header.request_id)
                 raise reservation.error
             reservation.sender = (header.sender_id, header.sender_epoch)
-            self.cache.import_blocks(reservation.block_ids, payload_as_kv(payload, header), header.layers)
+            self.cache.import_blocks(reservation.block_ids[reservation.num_reused:], payload_as_kv(payload, header),
+                                     header.layers)
             reservation.layers_arrived[header.layer_start:header.layer_stop] = [True] * (
                 header.layer_stop - header.layer_start)
             reservation.ready = all(reservation.layers_arrived)

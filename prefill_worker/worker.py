@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 class _Prefilling:
     destination: Optional[str]
     arrival_s: float
+    skip_blocks: int = 0  # leading prompt blocks the decode worker already holds: not sent
 
 
 class PrefillWorker(ParkingEndpoints):
@@ -41,6 +42,7 @@ class PrefillWorker(ParkingEndpoints):
         self._served = 0
         self.parking = Parking()
         self.sender.between_header_and_payload = lambda request_id: self.parking.hold("transfer", request_id)
+        self.engine.allocator.track_events()  # its hash events travel to the router with each result
         self.loop = EngineLoop(self.engine, hooks=(self._poll_sender,), on_output=self._on_output,
                                expecting_events=lambda: self.sender.ledger.num_held_requests > 0)
 
@@ -48,11 +50,12 @@ class PrefillWorker(ParkingEndpoints):
         return describe(self.engine, self.worker_id, "prefill", None)
 
     async def prefill(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                      destination: Optional[str]) -> Optional[PrefillResult]:
-        """The prompt's first token and KV handoff; None when the request was aborted meanwhile."""
+                      destination: Optional[str], skip_blocks: int = 0) -> Optional[PrefillResult]:
+        """The prompt's first token and KV handoff, which leaves out the first `skip_blocks` blocks (the
+        decode worker holds them already); None when the request was aborted meanwhile."""
         outputs = self.loop.listen(request_id)
         try:
-            self._requests[request_id] = _Prefilling(destination, time.monotonic())
+            self._requests[request_id] = _Prefilling(destination, time.monotonic(), skip_blocks)
             await self.parking.hold_async("queued", request_id)
             await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params, hand_off_after_prefill=True))
             result = await outputs.get()
@@ -99,6 +102,9 @@ class PrefillWorker(ParkingEndpoints):
         kv_bytes, deliveries, sent_wall_s = 0, (), time.time()
         if output.handed_off:
             blocks = self.engine.detach_kv(output.request_id)
+            skip = min(request.skip_blocks, len(blocks) - 1)
+            self.engine.allocator.free(blocks[:skip])  # not sent; they stay in this worker's prefix cache
+            blocks = blocks[skip:]
             kv_bytes = len(blocks) * self.engine.layout.bytes_per_block
             self.sender.start(output.request_id, blocks, request.destination, self.kv_lease_s)
             delivery = self.sender.send_layers(output.request_id)
@@ -107,5 +113,5 @@ class PrefillWorker(ParkingEndpoints):
         return PrefillResult(
             self.worker_id, output.new_token_ids[0], output.finish_reason, output.num_cached_prompt_tokens,
             queue_s=max(0.0, now - request.arrival_s - prefill_s), prefill_s=prefill_s, kv_bytes=kv_bytes,
-            kv_sent_wall_s=sent_wall_s, deliveries=deliveries,
+            kv_sent_wall_s=sent_wall_s, deliveries=deliveries, kv_events=tuple(self.engine.allocator.drain_events()),
         )

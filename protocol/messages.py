@@ -21,6 +21,9 @@ class PrefillResult:
     kv_bytes: int
     kv_sent_wall_s: float  # time.time() the KV handoff started (wall clock: comparable across processes)
     deliveries: tuple[Any, ...] = ()  # routed transport messages (ray: header + ObjectRef); () in-band
+    # The worker's KV hash events since its previous result ((stored?, hash), oldest first): the router's
+    # prefix index of the prefill pool is fed from these (protocol/token_stream.py's KVEvent).
+    kv_events: tuple[tuple[bool, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class WorkerInfo:
     model_context_tokens: int = 0  # the model's own context
     num_threads: int = 1  # torch threads the worker computes with
     dtype: str = "float32"  # the serving dtype, "auto" resolved: every worker of a system must agree
+    block_size_tokens: int = 16  # tokens per KV block: the unit of prefix caching and of KV shipped
+    kv_block_bytes: int = 0  # one block's KV, all layers
 
 
 @dataclass(frozen=True)

@@ -23,19 +23,33 @@ class TokenChunk:
 
 
 # A decode worker's token stream to the router: the gRPC server-streaming method below, one message per
-# engine step with every request's chunk (msgpack lists of TokenChunk's fields, in field order), after a
-# first message that says the subscription is in place: [OUTPUT_STREAM_VERSION, worker id].
+# engine step: [every request's chunk (msgpack lists of TokenChunk's fields, in field order), the step's
+# KV hash events ([stored?, hash] pairs: engine/block_manager.py)], after a first message that says the
+# subscription is in place: [OUTPUT_STREAM_VERSION, worker id, the block hashes it holds at that moment].
 OUTPUT_STREAM_SERVICE = "pdserve.internal.v1.DecodeOutputs"
 OUTPUT_STREAM_METHOD = f"/{OUTPUT_STREAM_SERVICE}/Subscribe"
-OUTPUT_STREAM_VERSION = 1
+OUTPUT_STREAM_VERSION = 2
+
+KVEvent = tuple[bool, bytes]  # (True, hash): the worker now holds a block with this hash; False: no longer
 
 
 _chunk_fields = operator.attrgetter(*(f.name for f in fields(TokenChunk)))
 
 
-def encode_chunks(chunks: Sequence[TokenChunk]) -> bytes:
-    return msgpack.packb([_chunk_fields(chunk) for chunk in chunks])
+def encode_chunks(chunks: Sequence[TokenChunk], kv_events: Sequence[KVEvent] = ()) -> bytes:
+    return msgpack.packb([[_chunk_fields(chunk) for chunk in chunks], kv_events])
 
 
-def decode_chunks(data: bytes) -> list[TokenChunk]:
-    return [TokenChunk(request_id, tuple(token_ids), *rest) for request_id, token_ids, *rest in msgpack.unpackb(data)]
+def decode_chunks(data: bytes) -> tuple[list[TokenChunk], list[KVEvent]]:
+    chunks, kv_events = msgpack.unpackb(data)
+    return ([TokenChunk(request_id, tuple(token_ids), *rest) for request_id, token_ids, *rest in chunks],
+            [(bool(stored), block_hash) for stored, block_hash in kv_events])
+
+
+def encode_hello(worker_id: str, held_hashes: Sequence[bytes]) -> bytes:
+    return msgpack.packb([OUTPUT_STREAM_VERSION, worker_id, list(held_hashes)])
+
+
+def decode_hello(data: bytes) -> tuple[int, str, list[bytes]]:
+    version, worker_id, *rest = msgpack.unpackb(data)
+    return version, worker_id, (rest[0] if rest else [])

@@ -61,6 +61,17 @@ class RouterMetrics:
         self.pd_decisions = Counter("pdserve_pd_decision", "Where disaggregated requests were prefilled: path "
                                     "remote (the prefill pool) or local (their decode worker), and why "
                                     "(router/pd_policy.py)", ["path", "reason"], registry=self.registry)
+        self.routing_decisions = Counter(
+            "pdserve_routing_decision", "Which worker of a pool requests went to: reason prefix_hit (it held a "
+            "prefix of the prompt), no_hit, or load (--routing load) (router/kv_index.py)", ["pool", "reason"],
+            registry=self.registry)
+        self.prefix_hit_tokens = Counter(
+            "pdserve_prefix_cache_hit_tokens", "Prompt tokens found in a worker's KV cache: not computed (prefill "
+            "pool, and local prefills on the decode pool) or not shipped (the decode pool's reused blocks)",
+            ["pool"], registry=self.registry)
+        self.kv_bytes_reused = Counter(
+            "pdserve_kv_reused_bytes", "KV bytes not shipped to decode workers because they held those blocks "
+            "already", registry=self.registry)
         self.snapshot = Snapshot()
         self.registry.register(_PoolCollector(self))
 

@@ -4,8 +4,10 @@
 decode worker that will decode it, interleaved with the streams it is decoding (the engine runs a
 chunk of at most `decode_interleave_tokens` prompt tokens between decode steps), nothing shipped.
 DistServe, Dynamo and llm-d decide the same way: a prompt goes local when that is cheaper than the
-remote path, i.e. when it is short (a handoff costs more than it saves), or when the prefill pool's
-queue is longer than the decode worker's own, so the prompt would start sooner there. The decision is
+remote path: when what is left to compute there is short (a handoff costs more than it saves): a short
+prompt, or one whose prefix the decode worker holds already (a conversation's earlier turns, reported by
+its KV events: router/kv_index.py); or when the prefill pool's queue is longer than the decode worker's
+own, so the prompt would start sooner there. The decision is
 a pure function of numbers the router already keeps (prompt tokens queued per worker), so it costs
 no worker call.
 """
@@ -21,7 +23,9 @@ POLICIES = ("auto", "remote", "local")
 @dataclass(frozen=True)
 class PDPolicyConfig:
     policy: str = "auto"  # "remote": always the prefill pool; "local": always the decode worker
-    local_max_prompt_tokens: int = 64  # auto: prompts this short prefill where they decode
+    # auto: prompts with at most this many tokens not cached on the decode worker prefill there (one
+    # interleaved chunk of the scheduler's default: running streams wait for one chunk at most)
+    local_max_prompt_tokens: int = 256
     # auto: go local when the prefill pool's shortest queue exceeds the decode worker's own queue (its
     # local prompts not yet prefilled) plus this prompt by this many tokens
     queue_margin_tokens: int = 2048
@@ -35,19 +39,24 @@ class PDPolicyConfig:
 
 class Decision(NamedTuple):
     path: str  # "remote" or "local"
-    reason: str  # "policy", "short_prompt", "prefill_queue", "no_prefill_worker" or "default"
+    reason: str  # "policy", "short_prompt", "prefix_hit", "prefill_queue", "no_prefill_worker" or "default"
 
 
 def decide(config: PDPolicyConfig, prompt_tokens: int, remote_queue_tokens: int | None,
-           local_queue_tokens: int) -> Decision:
-    """`remote_queue_tokens`: prompt tokens queued on the least busy ready prefill worker (None when
-    the pool has none); `local_queue_tokens`: those queued for local prefill on the decode worker."""
+           local_queue_tokens: int, remote_cached_tokens: int = 0, local_cached_tokens: int = 0) -> Decision:
+    """`remote_queue_tokens`: prompt tokens queued on the best prefill worker (None when the pool has
+    none); `local_queue_tokens`: those queued for local prefill on the best decode worker; the cached
+    tokens: how much of this prompt each of the two holds already."""
     if config.policy != "auto":
         return Decision(config.policy, "policy")
     if remote_queue_tokens is None:
         return Decision("local", "no_prefill_worker")
-    if prompt_tokens <= config.local_max_prompt_tokens:
-        return Decision("local", "short_prompt")
-    if remote_queue_tokens >= local_queue_tokens + prompt_tokens + config.queue_margin_tokens:
-        return Decision("local", "prefill_queue")
+    local_new = prompt_tokens - local_cached_tokens
+    if local_new <= config.local_max_prompt_tokens:
+        return Decision("local", "prefix_hit" if local_cached_tokens else "short_prompt")
+    # Computed locally, the prompt also delays the decode worker's running streams by about as much
+    # again: it counts twice there.
+    if remote_queue_tokens + prompt_tokens - remote_cached_tokens >= (
+            local_queue_tokens + 2 * local_new + config.queue_margin_tokens):
+        return Decision("local", "prefix_hit" if local_cached_tokens > remote_cached_tokens else "prefill_queue")
     return Decision("remote", "default")

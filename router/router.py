@@ -24,6 +24,7 @@ from protocol.messages import PrefillResult
 from protocol.token_stream import TokenChunk
 from router.failures import (AdmissionTimeoutError, DuplicateRequestError, RequestAborted, WorkerError, WorkerLost,
                              is_actor_death)
+from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
 from router.metrics import RouterMetrics
 from router.output import FinalInfo, Progress, StreamItem
 from router.overload import AdmissionLimits, OverloadedError
@@ -48,6 +49,7 @@ class RouterConfig:
     # at once; N sends every N-th step, N times fewer messages for the router, less smooth for the client.
     stream_interval: int = 1
     pd: PDPolicyConfig = PDPolicyConfig()  # where a disaggregated request is prefilled (router/pd_policy.py)
+    routing: RoutingConfig = RoutingConfig()  # which worker of a pool (router/kv_index.py)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -63,6 +65,14 @@ class _Route:
     decode: WorkerHandle
     prefill_released: bool = False  # first token back and the KV acknowledged (or nothing to hand off)
     decode_finished: bool = False
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One attempt's prompt as placement sees it: token ids, and their block hashes (prefix routing)."""
+
+    ids: list[int]
+    hashes: list[bytes]
 
 
 @dataclass
@@ -83,7 +93,8 @@ class Router:
     requests_completed: int = 0
     requests_failed: int = 0
     in_flight: dict[str, _Request] = field(default_factory=dict)  # claimed at admission, until the request ends
-    streams: TokenStreams = field(default_factory=TokenStreams)  # the decode workers' tokens, per request
+    kv_index: PrefixIndex = field(default_factory=PrefixIndex)  # which worker holds which prefix
+    streams: Optional[TokenStreams] = None  # the decode workers' tokens, per request (built with kv_index)
     migrations: int = 0
     # (monotonic time, TTFT s, queue s) of recent first tokens, and requests waiting for KV room:
     # the autoscaler's signals.
@@ -93,6 +104,10 @@ class Router:
     active: int = 0  # requests inside `generate` (queued or running): bounded by limits.max_in_flight
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     _background: set = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            self.streams = TokenStreams(self.kv_index)
 
     def recent_p50(self, samples: collections.deque, now_s: float, window_s: float = 30.0) -> Optional[float]:
         """Median of the second field of recent (time, value, ...) samples, or None."""
@@ -191,13 +206,13 @@ class Router:
         attempt = 0
         while True:
             wid = request.request_id if attempt == 0 else f"{request.request_id}~{attempt}"
-            prompt_ids = request.prompt_ids + progress.token_ids
+            prompt = self._prompt(request.prompt_ids + progress.token_ids)
             params = dataclasses.replace(request.params, max_tokens=request.params.max_tokens - len(progress.token_ids))
             flow = self._colocated
-            if self.config.mode == "disaggregated" and self._place(len(prompt_ids)).path == "remote":
+            if self.config.mode == "disaggregated" and self._place(prompt).path == "remote":
                 flow = self._disaggregated
             try:
-                async for item in flow(record, wid, prompt_ids, params, progress):
+                async for item in flow(record, wid, prompt, params, progress):
                     yield item
                 return
             except WorkerLost as lost:
@@ -210,28 +225,52 @@ class Router:
                 self.metrics.migrations.inc()
                 log.warning("%s; migrating with %d tokens so far (attempt %d)", lost, len(progress.token_ids), attempt + 1)
 
-    def _place(self, prompt_tokens: int) -> Decision:
-        """Where a disaggregated request's prompt is prefilled: the prefill pool, or its decode worker."""
-        remote = min((w.queued_prompt_tokens for w in self.prefill_pool.ready()), default=None)
-        local = min((w.queued_prompt_tokens for w in self.decode_pool.ready()), default=0)
-        decision = decide(self.config.pd, prompt_tokens, remote, local)
+    def _prompt(self, prompt_ids: list[int]) -> _Prompt:
+        workers = self.decode_pool.ready() or self.prefill_pool.ready()
+        hashes = prompt_hashes(self.config.routing, prompt_ids, workers[0].info.block_size_tokens) if workers else []
+        return _Prompt(prompt_ids, hashes)
+
+    def _ranked(self, pool: WorkerPool, prompt: _Prompt) -> list[Candidate]:
+        return rank(self.config.routing, self.kv_index, pool.ready(), prompt.hashes, len(prompt.ids), pool.role)
+
+    def _place(self, prompt: _Prompt) -> Decision:
+        """Where a disaggregated request's prompt is prefilled: the prefill pool, or its decode worker
+        (each pool's best candidate compared: queued prompt tokens, and what each holds of the prompt)."""
+        remote = next(iter(self._ranked(self.prefill_pool, prompt)), None)
+        local = next(iter(self._ranked(self.decode_pool, prompt)), None)
+        decision = decide(self.config.pd, len(prompt.ids), remote and remote.worker.queued_prompt_tokens,
+                          local.worker.queued_prompt_tokens if local else 0,
+                          remote.cached_tokens if remote else 0, local.cached_tokens if local else 0)
         self.metrics.pd_decisions.labels(decision.path, decision.reason).inc()
         return decision
 
-    async def _disaggregated(self, record: _Request, wid: str, prompt_ids: list[int], params,
+    def _pick(self, pool: WorkerPool, prompt: _Prompt) -> WorkerHandle:
+        """The pool's best worker for this prompt (router/kv_index.py); NoWorkerError when none is ready."""
+        ranked = self._ranked(pool, prompt)
+        if not ranked:
+            raise NoWorkerError(f"no ready {pool.role} worker")
+        self._count_routing(pool.role, ranked[0])
+        return ranked[0].worker
+
+    def _count_routing(self, role: str, chosen: Candidate) -> None:
+        reason = "load" if self.config.routing.policy == "load" else "prefix_hit" if chosen.cached_tokens else "no_hit"
+        self.metrics.routing_decisions.labels(role, reason).inc()
+
+    async def _disaggregated(self, record: _Request, wid: str, prompt: _Prompt, params,
                              progress: Progress) -> AsyncIterator[StreamItem]:
         # The prompt counts in its prefill worker's queue from now, so the next request's placement
         # (`_place`) sees it; no prefill worker: UNAVAILABLE at once, before reserving anything.
+        prompt_ids = prompt.ids
         queued = len(prompt_ids)
-        prefill = self.prefill_pool.pick()
+        prefill = self._pick(self.prefill_pool, prompt)
         prefill.queued_prompt_tokens += queued
         try:
-            decode = await self._reserve_decode(record, wid, queued)
+            decode, reused_blocks = await self._reserve_decode(record, wid, prompt)
             if prefill.state != "ready":  # it began draining or died while we reserved: another one
                 prefill.queued_prompt_tokens -= queued
                 queued = 0
                 try:
-                    prefill = self.prefill_pool.pick()
+                    prefill = self._pick(self.prefill_pool, prompt)
                 except NoWorkerError:
                     self._fire(decode.actor.abort.remote(wid))  # frees the reservation now, not at its timeout
                     raise
@@ -242,8 +281,10 @@ class Router:
             # must never expire it (its timeout is for KV that stopped coming, not for KV not yet computed).
             timeout_s = self.config.kv_timeout_s
             try:
+                # The prefill worker skips the blocks the decode worker already holds (`reused_blocks`).
                 result: Optional[PrefillResult] = await self._call(
-                    prefill, prefill.actor.prefill.remote(wid, prompt_ids, params, decode.info.kv_address), record,
+                    prefill, prefill.actor.prefill.remote(wid, prompt_ids, params, decode.info.kv_address,
+                                                          reused_blocks), record,
                     every_s=timeout_s / 3, tick=lambda: self._fire(decode.actor.renew.remote(wid, timeout_s)))
             finally:
                 prefill.in_flight -= 1
@@ -251,6 +292,10 @@ class Router:
             prefill.queued_prompt_tokens -= queued
         if result is None:  # the prefill worker was told to abort it
             raise RequestAborted()
+        self.kv_index.apply(prefill.worker_id, result.kv_events)
+        self._count_reuse(prefill.info.role, result.num_cached_prompt_tokens)
+        self._count_reuse(decode.info.role, reused_blocks * decode.info.block_size_tokens,
+                          reused_blocks * decode.info.kv_block_bytes)
         progress.prefill = result
         progress.cached_prompt_tokens = result.num_cached_prompt_tokens
         if progress.first_token_s is None:
@@ -271,9 +316,19 @@ class Router:
                     self._fire(prefill.actor.acknowledge.remote(wid))
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode)
 
-    async def _reserve_decode(self, record: _Request, wid: str, num_prompt_tokens: int) -> WorkerHandle:
-        """Reserves KV blocks for the prompt on a decode worker, trying each and then waiting while
-        all are full, so a transfer never lands where there is no room and a busy pool queues."""
+    def _count_reuse(self, role: str, cached_tokens: int, bytes_not_shipped: int = 0) -> None:
+        if cached_tokens:
+            self.metrics.prefix_hit_tokens.labels(role).inc(cached_tokens)
+        if bytes_not_shipped:
+            self.metrics.kv_bytes_reused.inc(bytes_not_shipped)
+
+    async def _reserve_decode(self, record: _Request, wid: str, prompt: _Prompt) -> tuple[WorkerHandle, int]:
+        """Reserves KV blocks for the prompt on a decode worker, trying each (best first) and then waiting
+        while all are full, so a transfer never lands where there is no room and a busy pool queues.
+        Returns the worker and how many leading blocks of the prompt it already held (reused, not sent;
+        prefix routing only: under load routing the whole prompt is sent, as before it)."""
+        num_prompt_tokens = len(prompt.ids)
+        reserved_prompt = prompt.ids if self.config.routing.policy == "prefix" else num_prompt_tokens
         deadline = time.monotonic() + self.config.admission_timeout_s
         delay_s = 0.005
         waiting = False  # counted in `waiting_for_kv` (an autoscaler signal) once a full round failed
@@ -281,20 +336,18 @@ class Router:
             while True:
                 if not self.decode_pool.ready():
                     raise NoWorkerError(f"no healthy {self.decode_pool.role} worker")
-                tried: tuple[str, ...] = ()
-                for _ in self.decode_pool.ready():
+                for candidate in self._ranked(self.decode_pool, prompt):
+                    decode = candidate.worker
+                    if decode.state != "ready":  # it stopped being ready while we tried another
+                        continue
                     try:
-                        decode = self.decode_pool.pick(exclude=tried)
-                    except NoWorkerError:  # the others stopped being ready meanwhile
-                        break
-                    tried += (decode.worker_id,)
-                    try:
-                        reserved = await self._unless_aborted(record, decode.actor.reserve.remote(
-                            wid, num_prompt_tokens, self.config.kv_timeout_s))
-                        if not reserved:  # no room there now
+                        reused = await self._unless_aborted(record, decode.actor.reserve.remote(
+                            wid, reserved_prompt, self.config.kv_timeout_s))
+                        if reused is None:  # no room there now
                             continue
                         if decode.state == "ready":
-                            return decode
+                            self._count_routing(decode.info.role, candidate)
+                            return decode, reused
                         # A scale-down began draining it while we reserved (its drain counts only
                         # tracked requests): hand the blocks back and go elsewhere, not to a stopping worker.
                         self._fire(decode.actor.abort.remote(wid))
@@ -323,17 +376,20 @@ class Router:
             if waiting:
                 self.waiting_for_kv -= 1
 
-    async def _colocated(self, record: _Request, wid: str, prompt_ids: list[int], params,
+    async def _colocated(self, record: _Request, wid: str, prompt: _Prompt, params,
                          progress: Progress) -> AsyncIterator[StreamItem]:
         """The whole request on one worker: a colocated worker, or a disaggregated system's decode worker
         prefilling it locally (router/pd_policy.py)."""
-        worker = self.decode_pool.pick()
+        prompt_ids = prompt.ids
+        worker = self._pick(self.decode_pool, prompt)
         route = self._track(record, wid, None, worker)
         queued = len(prompt_ids)  # until its first token: the worker's local prefill queue
         worker.queued_prompt_tokens += queued
         try:
             await self._call(worker, worker.actor.admit_colocated.remote(wid, prompt_ids, params), record)
             async for chunk in self._chunks(route, coalesce=not params.stop):
+                if queued:  # its first chunk
+                    self._count_reuse(worker.info.role, chunk.num_cached_prompt_tokens)
                 worker.queued_prompt_tokens -= queued
                 queued = 0
                 progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)

@@ -21,17 +21,18 @@ import time
 from typing import Callable, Optional
 
 import grpc
-import msgpack
 
-from protocol.token_stream import OUTPUT_STREAM_METHOD, OUTPUT_STREAM_VERSION, TokenChunk, decode_chunks
+from protocol.token_stream import OUTPUT_STREAM_METHOD, OUTPUT_STREAM_VERSION, TokenChunk, decode_chunks, decode_hello
 from router.failures import WorkerError, WorkerLost
+from router.kv_index import PrefixIndex
 from router.pool import WorkerHandle
 
 log = logging.getLogger("router.router")
 
 
 class TokenStreams:
-    def __init__(self) -> None:
+    def __init__(self, kv_index: Optional[PrefixIndex] = None) -> None:
+        self.kv_index = kv_index or PrefixIndex()  # fed with the hash events that travel with the tokens
         # worker request id -> (the decode worker holding it, its chunks)
         self._inboxes: dict[str, tuple[WorkerHandle, Inbox]] = {}
         self._subscriptions: dict[str, Subscription] = {}  # decode worker id -> its token stream
@@ -41,7 +42,8 @@ class TokenStreams:
         """Subscribes to a decode worker's token stream; returns once the subscription is in place, so
         nothing the worker emits for requests routed to it after this is lost."""
         address, secret = await worker.actor.output_address.remote()
-        subscription = Subscription(worker, address, secret, asyncio.get_running_loop(), self._take, self._lost)
+        subscription = Subscription(worker, address, secret, asyncio.get_running_loop(), self._take, self._lost,
+                                    self.kv_index)
         self._subscriptions[worker.worker_id] = subscription
         try:
             await asyncio.wait_for(asyncio.wrap_future(subscription.started), timeout_s)
@@ -98,6 +100,7 @@ class TokenStreams:
         worker = subscription.worker
         if self._subscriptions.get(worker.worker_id) is subscription:
             del self._subscriptions[worker.worker_id]
+            self.kv_index.forget(worker.worker_id)
         self._take(subscription)  # what it sent before is delivered
         if worker.state != "stopping":
             log.warning("decode worker %s is gone (%s); failing its requests", worker.worker_id, error)
@@ -145,13 +148,16 @@ class Subscription:
     (Read on the loop with grpc.aio, each step would be handed out before the next is read.) Every
     message, the worker's idle heartbeats included, counts as hearing from it (`last_heard_s`): a
     worker that falls silent is pinged through Ray by the healer, which finds a lost node that way.
-    No gRPC keepalive: its pings, on a stream where the router never sends, trip the server's limits."""
+    No gRPC keepalive: its pings, on a stream where the router never sends, trip the server's limits.
+    The KV hash events that travel with the chunks go straight into `kv_index`, from this thread."""
 
     def __init__(self, worker: WorkerHandle, address: str, secret: str, loop: asyncio.AbstractEventLoop,
-                 on_chunks: Callable[["Subscription"], None], on_lost: Callable[["Subscription", str], None]):
+                 on_chunks: Callable[["Subscription"], None], on_lost: Callable[["Subscription", str], None],
+                 kv_index: PrefixIndex):
         """`on_chunks(self)` runs on `loop` when chunks wait in `take()`; `on_lost(self, error)` once the
         stream has ended."""
         self.worker = worker
+        self._kv_index = kv_index
         self.started: concurrent.futures.Future = concurrent.futures.Future()  # set once the worker's hello came
         self._on_chunks = on_chunks
         self._on_lost = on_lost
@@ -179,7 +185,9 @@ class Subscription:
                     self._check_hello(data)
                     continue
                 self.worker.last_heard_s = time.monotonic()
-                chunks = decode_chunks(data)
+                chunks, kv_events = decode_chunks(data)
+                if kv_events:
+                    self._kv_index.apply(self.worker.worker_id, kv_events)
                 if not chunks:  # a heartbeat
                     continue
                 with self._lock:
@@ -205,10 +213,11 @@ class Subscription:
             pass
 
     def _check_hello(self, data: bytes) -> None:
-        version, worker_id = msgpack.unpackb(data)
+        version, worker_id, held = decode_hello(data)
         if version != OUTPUT_STREAM_VERSION or worker_id != self.worker.worker_id:
             raise WorkerError(f"the token stream of {self.worker.worker_id} answered as {worker_id} with "
                               f"version {version}, not {OUTPUT_STREAM_VERSION}")
+        self._kv_index.reset(worker_id, held)
         self.started.set_result(None)
 
 

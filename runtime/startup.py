@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.weights import resolve_device
 from protocol.messages import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,16 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     # a worker uses exactly the CPUs it was granted.
     threads = granted_cpus()
     torch.set_num_threads(threads)
-    engine = LLMEngine(dataclasses.replace(config, num_threads=threads, detokenize=False))  # the router detokenizes
+    # "auto" resolves here, on the worker's node: cuda where Ray gave this actor a GPU (it asked for one).
+    config = dataclasses.replace(config, device=resolve_device(config.device), num_threads=threads, detokenize=False)
+    engine = LLMEngine(config)  # the router detokenizes
     # torch, Ray and the model (330k objects) are here for the process's life: frozen, they are out of
     # the collector's full passes, each otherwise a 160 ms pause in the middle of a decode step.
     gc.collect()
     gc.freeze()
     kernel = engine.loaded.model.layers[0].self_attn.decode_kernel
-    log.info("engine ready: model %s, %s (asked: %s; CPU: %s), %d threads, %d KV blocks (%d tokens), decode "
-             "attention: %s", config.model, engine.layout.dtype, config.dtype, torch.backends.cpu.get_cpu_capability(),
+    log.info("engine ready: model %s on %s, %s (asked: %s; CPU: %s), %d threads, %d KV blocks (%d tokens), decode "
+             "attention: %s", config.model, config.device, engine.layout.dtype, config.dtype, torch.backends.cpu.get_cpu_capability(),
              threads, engine.allocator.num_blocks, engine.allocator.num_blocks * config.block_size_tokens, "paged kernel" if kernel is not None else "torch (gather + SDPA)")
     return engine
 
@@ -50,7 +53,7 @@ def describe(engine: LLMEngine, worker_id: str, role: str, kv_address: Optional[
     """The worker's `info()`: who it is and what it can serve."""
     return WorkerInfo(worker_id, role, node_name(), kv_address, engine.allocator.num_blocks, engine.max_model_len,
                       engine.model_config.vocab_size, engine.model_config.max_context_tokens, torch.get_num_threads(),
-                      engine.layout.dtype)
+                      engine.layout.dtype, engine.layout.block_size_tokens, engine.layout.bytes_per_block)
 
 
 def node_name() -> str:

@@ -113,7 +113,9 @@ def test_a_stream_interval_below_one_is_refused():
 def test_token_chunks_cross_the_wire_with_every_field():
     chunks = [TokenChunk("a", (1, 2), "stop", None, 1.5, 4), TokenChunk("b", (), None, "KV transfer failed: x"),
               TokenChunk("c", (3,))]
-    assert decode_chunks(encode_chunks(chunks)) == chunks
+    assert decode_chunks(encode_chunks(chunks)) == (chunks, [])
+    events = [(True, b"\x01" * 16), (False, b"\x02" * 16)]
+    assert decode_chunks(encode_chunks(chunks, events)) == (chunks, events)
 
 
 class _TokenServer:
