@@ -134,7 +134,7 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
 class EngineConfig:
     model: str = "default"
     dtype: str = "float32"  # or "bfloat16", or "auto": bf16 where the hardware has it natively, else fp32
-    device: str = "cpu"
+    device: str = "cpu"  # "cuda", "cuda:N", or "auto" (cuda where torch sees one), resolved by engine.weights.resolve_device
     block_size_tokens: int = 16
     kv_cache_bytes: Optional[int] = 512 * 2**20  # None: sized from the node's free memory (engine.kv_cache)
     max_num_seqs: int = 64

@@ -1,4 +1,5 @@
-"""Decode attention that reads the paged KV cache in place (a small C kernel, built on first use).
+"""Decode attention that reads the paged KV cache in place: a small C kernel on CPU (built on first
+use), a Triton kernel on CUDA (engine/triton_paged_attention.py); `decode_kernel_for` picks one.
 
 The torch path gathers every sequence's blocks into a padded copy and runs SDPA over it with a
 mask; on CPU that copy and SDPA's per-call setup are two thirds of a batched decode step. The kernel
@@ -7,7 +8,8 @@ walks each sequence's block table instead and reads every K and V row once (engi
 It is compiled with the system C compiler into the disk cache (engine/disk_cache.py) the first time
 a process needs it (about a second), keyed by the source, the flags, the compiler and the CPU's
 features, and loaded with ctypes. Without a compiler, or with `PDSERVE_DISABLE_KERNELS=1`, the
-engine uses the torch path: the same results to float rounding, only slower.
+engine uses the torch path: the same results to float rounding, only slower. The same switch, or a
+missing Triton, sends CUDA to the torch path too.
 """
 
 from __future__ import annotations
@@ -127,3 +129,27 @@ def load_kernel() -> Optional[PagedDecodeAttention]:
     except (KernelBuildError, OSError) as exc:
         log.warning("paged decode-attention kernel unavailable, using the torch path: %s", exc)
         return None
+
+
+@lru_cache(maxsize=1)
+def load_triton_kernel():
+    """The Triton kernel (CUDA), or None (torch path) when disabled or Triton is not installed."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    try:
+        from engine.triton_paged_attention import TritonPagedDecodeAttention
+    except ImportError as exc:
+        log.warning("Triton paged decode-attention kernel unavailable, using the torch path: %s", exc)
+        return None
+    return TritonPagedDecodeAttention()
+
+
+def decode_kernel_for(device: str | torch.device):
+    """The paged decode kernel for a device: the C kernel on CPU, the Triton kernel on CUDA; None
+    (gather + SDPA) where neither applies or can be had."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return load_kernel()
+    if kind == "cuda":
+        return load_triton_kernel()
+    return None

@@ -15,11 +15,12 @@ from engine.config import NAMED_SHAPES, ModelConfig
 from engine.cpu_packing import pack_linears, packing_supported
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
 from engine.model import LlamaModel, rope_inv_freq
-from engine.paged_attention import load_kernel
+from engine.paged_attention import decode_kernel_for
 from engine.tokenizer import Tokenizer
 
 DUMMY_PREFIX = "dummy:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -39,9 +40,27 @@ def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_device(name: str | torch.device) -> str:
+    """A device by name: "auto" is cuda where torch sees a GPU, else cpu; "cuda" (or "cuda:N") where
+    torch sees none is a ValueError that says why."""
+    name = str(name)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = name.split(":", 1)[0]
+    if kind not in DEVICES[1:]:
+        raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+               else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)")
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device: {why}; use --device cpu or auto")
+    return name
+
+
 def auto_dtype(device: str = "cpu") -> torch.dtype:
     """bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX); fp32 elsewhere, where torch
     emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32, docs/benchmarks.md)."""
+    if device == "auto":
+        device = resolve_device(device)
     if str(device).startswith("cuda"):
         return torch.bfloat16
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -49,6 +68,7 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
 
 
 def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> LoadedModel:
+    device = resolve_device(device)
     if spec.startswith(DUMMY_PREFIX):
         return load_dummy(spec[len(DUMMY_PREFIX):], dtype, device, seed)
     path = resolve_model_path(spec)
@@ -78,7 +98,8 @@ def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> Loaded
     if shape not in NAMED_SHAPES:
         raise ModelNotFoundError(f"unknown dummy shape {shape!r}; known: {', '.join(NAMED_SHAPES)}")
     config = NAMED_SHAPES[shape]
-    generator = torch.Generator().manual_seed(seed)
+    # Drawn where the model lives: on a GPU, an 8B shape's 8e9 draws would otherwise run on the host and cross the bus.
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
         model = LlamaModel(config)
     for name, param in model.named_parameters():
@@ -86,7 +107,7 @@ def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> Loaded
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 param.fill_(1.0)
             else:  # small normal weights keep activations finite through many layers
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+                param.copy_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
     return LoadedModel(config, prepare_for_inference(model.to(dtype).eval(), dtype, device), None, DUMMY_PREFIX + shape)
 
 
@@ -124,6 +145,5 @@ def build_model(config: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tenso
 def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) -> LlamaModel:
     if packing_supported(dtype, device):
         pack_linears(model)
-    if torch.device(device).type == "cpu":
-        model.use_decode_kernel(load_kernel())
+    model.use_decode_kernel(decode_kernel_for(device))
     return model

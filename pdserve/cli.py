@@ -14,6 +14,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="default", help="'default', a .gguf file, an HF model directory, or dummy:<shape>")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the engine runs; auto: cuda where torch sees a GPU, else cpu")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -33,7 +35,10 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
     )
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads or os.cpu_count()))
+    from engine.weights import resolve_device
+
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=resolve_device(args.device),
+                                    num_threads=args.threads or os.cpu_count()))
     if engine.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer, so it cannot take a text prompt")
     prompt = args.prompt
@@ -58,6 +63,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where the cluster has GPUs, else cpu")
     p.add_argument("--address", default="local", help="'local' starts Ray here; 'auto' or host:port joins a cluster")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
@@ -104,7 +111,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _serve_config(args: argparse.Namespace, **overrides):
     from pdserve.system import ServeConfig
 
-    fields = dict(model=args.model, dtype=args.dtype, mode=args.mode, transport=args.transport,
+    fields = dict(model=args.model, dtype=args.dtype, device=args.device, mode=args.mode, transport=args.transport,
                   num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
                   worker_start_timeout_s=args.worker_start_timeout_s,
                   address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,
@@ -265,13 +272,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", default="ray", choices=["ray", "grpc"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where this node has GPUs, else cpu")
     p.set_defaults(handler=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
     from pdserve.demo import run_demo
 
-    return run_demo(args.transport, args.dtype)
+    return run_demo(args.transport, args.dtype, args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:

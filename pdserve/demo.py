@@ -15,13 +15,13 @@ PROMPTS = (
 )
 
 
-def run_demo(transport: str, dtype: str) -> int:
+def run_demo(transport: str, dtype: str, device: str = "auto") -> int:
     from pdserve.client import PdserveClient
     from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
     # Every chat through the prefill pool and a KV handoff (the demo shows disaggregation; `--pd-policy
     # auto` would prefill these short prompts on the decode worker)
-    config = ServeConfig(transport=transport, dtype=dtype, port=0, pd_policy="remote")
+    config = ServeConfig(transport=transport, dtype=dtype, device=device, port=0, pd_policy="remote")
     init_ray(config)  # on the main thread, where Ray can install its signal handlers
     loop = new_event_loop()
     threading.Thread(target=loop.run_forever, name="router", daemon=True).start()

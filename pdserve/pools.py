@@ -55,6 +55,10 @@ class PoolManager:
         import ray
 
         options = {"num_cpus": self.config.worker_cpus}
+        # One engine per GPU; Ray sets the actor's CUDA_VISIBLE_DEVICES. Under "auto" a worker without a
+        # GPU of its own sees none (Ray hides them) and resolves to cpu.
+        if self.config.device == "cuda" or (self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1):
+            options["num_gpus"] = 1
         resource = NODE_RESOURCE[role]
         if resource in ray.cluster_resources():
             options["resources"] = {resource: _RESOURCE_PER_WORKER}
@@ -125,6 +129,8 @@ class PoolManager:
 
         free = ray.available_resources()
         needs = {"CPU": options["num_cpus"] * count, **{k: v * count for k, v in options.get("resources", {}).items()}}
+        if "num_gpus" in options:
+            needs["GPU"] = options["num_gpus"] * count
         short = {name: need for name, need in needs.items() if free.get(name, 0.0) + 1e-9 < need}
         if short:
             raise WorkerStartError(

@@ -21,12 +21,14 @@ log = logging.getLogger(__name__)
 MODES = ("disaggregated", "colocated")
 _LOCAL_WORKER_SLOTS = 4  # a local node's default CPU share per worker is its cores / this (or / its workers)
 TRANSPORTS = ("ray", "grpc")
+DEVICES = ("auto", "cpu", "cuda")  # engine.weights.DEVICES; not imported from there: no torch in the router
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "default"
     dtype: str = "auto"  # bf16 where the workers' hardware has it natively, else fp32 (engine.weights.auto_dtype)
+    device: str = "auto"  # "cuda": each worker asks Ray for one GPU; "auto": cuda when the cluster has GPUs
     mode: str = "disaggregated"
     transport: str = "ray"
     num_prefill: int = 1
@@ -95,6 +97,8 @@ class ServeConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
             raise ValueError("need at least one decode worker, and one prefill worker when disaggregated")
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
@@ -133,7 +137,7 @@ class ServeConfig:
     def engine_config(self):
         from engine.config import EngineConfig  # torch-free: the router builds it
 
-        return EngineConfig(model=self.model, dtype=self.dtype, block_size_tokens=self.block_size_tokens,
+        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, block_size_tokens=self.block_size_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             decode_interleave_tokens=self.decode_interleave_tokens)

@@ -173,6 +173,36 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_natively(tiny):
         parse_dtype("float8")
 
 
+def test_device_auto_is_cuda_only_where_torch_sees_a_gpu_and_cuda_without_one_is_a_clear_error(monkeypatch, capsys):
+    from engine.weights import resolve_device
+    from pdserve.cli import main
+
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        resolve_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    assert EngineConfig(dtype="auto", device="auto").torch_dtype == EngineConfig(dtype="auto").torch_dtype
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        resolve_device("cuda:0")
+    assert main(["generate", "hi", "--model", "dummy:tiny", "--device", "cuda"]) == 2
+    assert "device 'cuda' asked for, but torch sees no CUDA device" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda") == "cuda"
+    assert EngineConfig(dtype="auto", device="auto").torch_dtype == torch.bfloat16
+
+
+def test_the_decode_kernel_is_chosen_by_device():
+    from engine import paged_attention
+    from engine.triton_paged_attention import TritonPagedDecodeAttention
+
+    assert isinstance(paged_attention.decode_kernel_for("cpu"), paged_attention.PagedDecodeAttention)
+    triton_kernel = paged_attention.decode_kernel_for("cuda:0")
+    assert isinstance(triton_kernel, TritonPagedDecodeAttention)
+    assert not triton_kernel.supports(torch.zeros(2, 16, 2, 64))  # a CPU cache stays on the C kernel or SDPA
+    assert paged_attention.decode_kernel_for("meta") is None
+
+
 def test_an_unset_kv_cache_is_sized_from_available_memory(tiny):
     from engine.kv_cache import AUTO_KV_MAX_BYTES, AUTO_KV_MIN_BYTES, _available_memory_bytes, auto_kv_cache_bytes
 
