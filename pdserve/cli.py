@@ -80,9 +80,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pd-policy", default="auto", choices=["auto", "remote", "local"],
                    help="where a disaggregated request prefills: remote (the prefill pool), local (its decode worker, "
                         "interleaved with decoding), auto (local for short prompts or when the prefill queue is longer)")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=64, help="auto: prompts this short prefill locally")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                   help="auto: prompts with at most this many tokens not cached on the decode worker prefill there")
     p.add_argument("--pd-queue-margin-tokens", type=int, default=2048,
                    help="auto: prefill locally when the prefill pool's queue exceeds the decode worker's by this")
+    p.add_argument("--routing", default="prefix", choices=["prefix", "load"],
+                   help="which worker of a pool takes a request: prefix (weighs the prompt prefix each worker's KV "
+                        "cache holds, from its KV events, against its load) or load (load alone; whole prompts shipped)")
+    p.add_argument("--prefix-weight", type=float, default=1.0,
+                   help="prefix routing: one cached prompt token offsets this many prompt tokens of queue")
+    p.add_argument("--decode-stream-tokens", type=int, default=256,
+                   help="prefix routing: a decode worker's running request weighs like this many queued prompt tokens")
     p.add_argument("--decode-interleave-tokens", type=int, default=256,
                    help="prompt tokens a decode/colocated worker prefills between two decode steps (0: prefill first)")
     p.add_argument("--autoscale", action="store_true", help="grow/shrink each pool from queue time, TTFT and KV use")
@@ -117,7 +125,8 @@ def _serve_config(args: argparse.Namespace, **overrides):
                   address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,
                   kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
                   pd_policy=args.pd_policy, local_prefill_max_tokens=args.local_prefill_max_tokens,
-                  pd_queue_margin_tokens=args.pd_queue_margin_tokens,
+                  pd_queue_margin_tokens=args.pd_queue_margin_tokens, routing=args.routing,
+                  prefix_weight=args.prefix_weight, decode_stream_tokens=args.decode_stream_tokens,
                   decode_interleave_tokens=args.decode_interleave_tokens or None, http_port=args.http_port,
                   served_model_name=args.served_model_name, api_keys=_api_keys(args.api_key),
                   admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,

@@ -52,8 +52,11 @@ class ServeConfig:
     # while streams are decoding (engine.scheduler); None: prefill-first, streams wait for whole prompts.
     decode_interleave_tokens: Optional[int] = 256
     pd_policy: str = "auto"  # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
-    local_prefill_max_tokens: int = 64  # auto: prompts this short prefill on their decode worker
+    local_prefill_max_tokens: int = 256  # auto: prompts with this few tokens not cached there prefill on their decode worker
     pd_queue_margin_tokens: int = 2048  # auto: go local when the prefill queue is this much longer
+    routing: str = "prefix"  # which worker of a pool: prefix (cached prefix against load) or load (router/kv_index.py)
+    prefix_weight: float = 1.0  # prefix routing: one cached prompt token offsets this many tokens of load
+    decode_stream_tokens: int = 256  # prefix routing: a decode worker's running request weighs like this many tokens
     object_store_bytes: int = 512 << 20
     autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
     http_port: Optional[int] = None  # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
@@ -86,6 +89,13 @@ class ServeConfig:
 
         return PDPolicyConfig(self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens)
 
+    @property
+    def routing_config(self):
+        """The router's `RoutingConfig` (which worker of a pool)."""
+        from router.kv_index import RoutingConfig
+
+        return RoutingConfig(self.routing, self.prefix_weight, self.decode_stream_tokens)
+
     def worker_bind_host(self) -> Optional[str]:
         """`kv_host` as decode workers get it: None means their node's address."""
         if self.kv_host != "auto":
@@ -104,6 +114,7 @@ class ServeConfig:
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ValueError(f"--cpus-per-worker must be positive, got {self.cpus_per_worker}")
         self.pd  # checks the policy's fields
+        self.routing_config
         if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
             raise ValueError(f"--decode-interleave-tokens must be >= 1, got {self.decode_interleave_tokens}")
         if self.kv_timeout_s <= 0:
@@ -272,7 +283,8 @@ async def start_system(config: ServeConfig) -> System:
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
     router = Router(RouterConfig(config.mode, kv_timeout_s=config.kv_timeout_s, limits=admission,
-                                 stream_interval=config.stream_interval, pd=config.pd), tokenizer,
+                                 stream_interval=config.stream_interval, pd=config.pd,
+                                 routing=config.routing_config), tokenizer,
                     WorkerPool("prefill"), WorkerPool(decode_role))
     pools = PoolManager(config, router, epoch=int(time.time()))
     await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
