@@ -59,7 +59,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: workers doing both)")
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    p.add_argument("--transport", default="ray", choices=["ray", "grpc"], help="how KV moves between workers")
+    p.add_argument("--transport", default="ray", choices=["ray", "grpc", "rdt"],
+                   help="how KV moves between workers (rdt: Ray Direct Transport; its workers are fixed at start)")
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
@@ -89,7 +90,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "cache holds, from its KV events, against its load) or load (load alone; whole prompts shipped)")
     p.add_argument("--prefix-weight", type=float, default=1.0,
                    help="prefix routing: one cached prompt token offsets this many prompt tokens of queue")
-    p.add_argument("--decode-stream-tokens", type=int, default=256,
+    p.add_argument("--decode-stream-tokens", type=int, default=64,
                    help="prefix routing: a decode worker's running request weighs like this many queued prompt tokens")
     p.add_argument("--decode-interleave-tokens", type=int, default=256,
                    help="prompt tokens a decode/colocated worker prefills between two decode steps (0: prefill first)")
@@ -278,7 +279,7 @@ def _scale(args: argparse.Namespace) -> int:
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="start a local 1 prefill + 1 decode system, send a few chat prompts, stop")
-    p.add_argument("--transport", default="ray", choices=["ray", "grpc"])
+    p.add_argument("--transport", default="ray", choices=["ray", "grpc", "rdt"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("disaggregated", "colocated")
 _LOCAL_WORKER_SLOTS = 4  # a local node's default CPU share per worker is its cores / this (or / its workers)
-TRANSPORTS = ("ray", "grpc")
+TRANSPORTS = ("ray", "grpc", "rdt")
 DEVICES = ("auto", "cpu", "cuda")  # engine.weights.DEVICES; not imported from there: no torch in the router
 
 
@@ -56,7 +56,7 @@ class ServeConfig:
     pd_queue_margin_tokens: int = 2048  # auto: go local when the prefill queue is this much longer
     routing: str = "prefix"  # which worker of a pool: prefix (cached prefix against load) or load (router/kv_index.py)
     prefix_weight: float = 1.0  # prefix routing: one cached prompt token offsets this many tokens of load
-    decode_stream_tokens: int = 256  # prefix routing: a decode worker's running request weighs like this many tokens
+    decode_stream_tokens: int = 64  # prefix routing: a decode worker's running request weighs like this many tokens
     object_store_bytes: int = 512 << 20
     autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
     http_port: Optional[int] = None  # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
@@ -107,6 +107,9 @@ class ServeConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport == "rdt" and self.autoscale is not None:
+            raise ValueError("the rdt transport's workers are fixed at start (one Ray collective group): "
+                             "autoscaling needs --transport ray or grpc")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
@@ -289,6 +292,8 @@ async def start_system(config: ServeConfig) -> System:
     pools = PoolManager(config, router, epoch=int(time.time()))
     await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
                          pools.add_workers("prefill", config.num_prefill if config.mode == "disaggregated" else 0))
+    if config.transport == "rdt" and config.mode == "disaggregated":
+        await pools.form_kv_group()
     # The context served is what every worker can hold: a prompt a worker cannot hold is refused at once.
     infos = [worker.info for pool in (router.prefill_pool, router.decode_pool) for worker in pool.workers]
     limits = ValidationLimits(max_context_tokens=min(info.max_context_tokens for info in infos),

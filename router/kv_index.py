@@ -36,7 +36,7 @@ POLICIES = ("prefix", "load")
 class RoutingConfig:
     policy: str = "prefix"  # "load": pick workers by load alone
     prefix_weight: float = 1.0  # one cached prompt token offsets this many tokens of load
-    decode_stream_tokens: int = 256  # decode pool: one running request weighs like this many queued prompt tokens
+    decode_stream_tokens: int = 64  # decode pool: one running request weighs like this many queued prompt tokens
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

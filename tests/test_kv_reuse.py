@@ -152,8 +152,8 @@ def test_routing_weighs_a_cached_prefix_against_load():
     warm.queued_prompt_tokens = 1
     assert rank(load, index, [warm, cold], [], len(prompt), "prefill")[0].worker is cold
     # The decode pool counts running requests as load: a cached history of 200 tokens is worth less
-    # than one more running request at decode_stream_tokens=256.
-    busy, idle = _worker("warm", "decode", in_flight=1), _worker("idle", "decode")
+    # than four more running requests at decode_stream_tokens=64.
+    busy, idle = _worker("warm", "decode", in_flight=4), _worker("idle", "decode")
     assert rank(prefix, index, [busy, idle], chain, len(prompt), "decode")[0].worker is idle
     index.reset("warm", chain)
     assert rank(prefix, index, [busy, idle], chain, len(prompt), "decode")[0].worker is busy
