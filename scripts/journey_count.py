@@ -9,7 +9,7 @@ functions called during the request but not while idle (polls and heartbeats run
 counted apart).
 
     .venv/bin/python scripts/journey_count.py [--mode disaggregated|colocated] [--transport ray|grpc]
-    PYTHONPATH=/path/to/other/checkout .venv/bin/python /path/to/this/scripts/journey_count.py   # another tree
+    cp scripts/journey_count.py OTHER/scripts/ && cd OTHER && /this/.venv/bin/python scripts/journey_count.py
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ def main() -> int:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(pdserve.__file__)))
     os.environ[_DIR_ENV], os.environ[_ROOT_ENV] = out, root
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `journey_count` for the workers' hook
     import ray
 
     from pdserve.client import PdserveClient
@@ -86,15 +85,14 @@ def main() -> int:
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, configure_logging=False,
-             runtime_env={"worker_process_setup_hook": "journey_count.install",
-                          "env_vars": {_DIR_ENV: out, _ROOT_ENV: root,
-                                       "PYTHONPATH": os.pathsep.join(filter(None, [sys.path[0], root,
-                                                                                   os.environ.get("PYTHONPATH")]))}})
+             runtime_env={"worker_process_setup_hook": install,  # pickled by value: workers need not import this file
+                          "env_vars": {_DIR_ENV: out, _ROOT_ENV: root}})
     install()
     loop = new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    config = ServeConfig(mode=args.mode, transport=args.transport, num_prefill=1, num_decode=1, port=0,
-                         kv_cache_bytes=64 << 20, dtype="float32", pd_policy="remote")
+    wanted = dict(mode=args.mode, transport=args.transport, num_prefill=1, num_decode=1, port=0,
+                  kv_cache_bytes=64 << 20, dtype="float32", pd_policy="remote")
+    config = ServeConfig(**{k: v for k, v in wanted.items() if k in ServeConfig.__dataclass_fields__})  # older trees too
     system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(timeout=300)
     prompt = "Rivers shaped where people settled, traded and fought. " * 20
 
@@ -107,16 +105,21 @@ def main() -> int:
     time.sleep(1.0)
     idle_start = time.time()
     time.sleep(3.0)
-    idle_stop = request_start = time.time()
+    idle_stop = time.time()
+    time.sleep(3 * _TICK_S)  # no tick in both windows
+    request_start = time.time()
     done = one("The request. " + prompt)
     request_stop = time.time()
     time.sleep(1.0)  # the dumps catch up
     idle = _called_in(out, idle_start, idle_stop)
     during = _called_in(out, request_start, request_stop)
-    journey = sorted(during - idle)
+    journey = sorted((file, name) for file, name in during - idle
+                     if not file.startswith(("pdserve/client.py", "pdserve_proto/", "scripts/")))  # the client's side
     files = sorted({file for file, _ in journey})
     print(json.dumps({"mode": args.mode, "transport": args.transport, "request_s": round(request_stop - request_start, 3),
                       "tokens": len(done.token_ids), "files": len(files), "functions": len(journey),
+                      "serving_files": sum(not f.startswith("engine/") for f in files),
+                      "serving_functions": sum(not f.startswith("engine/") for f, _ in journey),
                       "background_functions_also_called": len(during & idle), "by_file": {
                           file: [name for f, name in journey if f == file] for file in files}}, indent=1))
     asyncio.run_coroutine_threadsafe(system.stop(), loop).result(timeout=60)

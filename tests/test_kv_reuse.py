@@ -198,10 +198,17 @@ def _cold(smollm_fp32, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return list(engine.generate([prompt_ids], params)[0].token_ids)
 
 
-def _turn(system, prompt_ids: list[int], max_tokens: int = 10):
-    with system.client() as client:
-        return client.generate(client.request(token_ids=prompt_ids, max_tokens=max_tokens, temperature=0,
-                                              ignore_eos=True))
+def _turn(system, prompt_ids: list[int], max_tokens: int = 10, **router_config):
+    """One greedy request; with `router_config`, under those RouterConfig fields (the system's own after)."""
+    router = system.system.router
+    own = router.config
+    router.config = dataclasses.replace(own, **router_config)
+    try:
+        with system.client() as client:
+            return client.generate(client.request(token_ids=prompt_ids, max_tokens=max_tokens, temperature=0,
+                                                  ignore_eos=True))
+    finally:
+        router.config = own
 
 
 def test_later_turns_go_where_the_history_is_cached_and_ship_only_new_blocks(system, smollm_fp32):
@@ -232,16 +239,10 @@ def test_later_turns_go_where_the_history_is_cached_and_ship_only_new_blocks(sys
 
 def test_a_later_turn_prefills_on_the_decode_worker_holding_its_history(system, smollm_fp32):
     tokenizer = smollm_fp32.tokenizer
-    router = system.system.router
     prompt = tokenizer.encode(_SYSTEM + "Question: what is a ford?")
     first = _turn(system, prompt)
     prompt = prompt + first.token_ids + tokenizer.encode(" Thanks. And a ferry?")
-    remote_config = router.config
-    router.config = dataclasses.replace(remote_config, pd=PDPolicyConfig("auto", local_max_prompt_tokens=64))
-    try:
-        turn = _turn(system, prompt)
-    finally:
-        router.config = remote_config
+    turn = _turn(system, prompt, pd=PDPolicyConfig("auto", local_max_prompt_tokens=64))
     assert not turn.prefill_worker and turn.timings.kv_bytes == 0  # computed where it decodes, nothing shipped
     assert turn.decode_worker == first.decode_worker
     assert turn.usage.cached_prompt_tokens >= len(prompt) - 64
@@ -256,12 +257,7 @@ def test_load_routing_ships_the_whole_prompt(system, smollm_fp32):
     prompt = tokenizer.encode(_SYSTEM + "Question: who built the first bridges?")
     first = _turn(system, prompt)
     prompt = prompt + first.token_ids + tokenizer.encode(" And the first canals?")
-    prefix_config = router.config
-    router.config = dataclasses.replace(prefix_config, routing=RoutingConfig("load"))
-    try:
-        turn = _turn(system, prompt)
-    finally:
-        router.config = prefix_config
+    turn = _turn(system, prompt, routing=RoutingConfig("load"))
     assert turn.timings.kv_bytes == -(-len(prompt) // 16) * block_bytes
     assert list(turn.token_ids) == _cold(smollm_fp32, prompt, 10)
     assert system.wait_idle().requests_in_flight == 0
