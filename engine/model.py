@@ -147,8 +147,9 @@ class Attention(nn.Module):
         if self.decode_kernel is not None and self.decode_kernel.supports(k_cache):
             out = self.decode_kernel(q, k_cache, v_cache, block_tables, batch.decode_context_lens, self.scale)
             return out.reshape(batch_size, c.q_size)
-        keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, T, head_dim]
-        values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+        # index_select, not k_cache[block_tables]: the same copy, several times faster on CPU
+        keys = _gather_blocks(k_cache, block_tables).flatten(1, 2).transpose(1, 2)  # [B, kv_heads, T, head_dim]
+        values = _gather_blocks(v_cache, block_tables).flatten(1, 2).transpose(1, 2)
         span = torch.arange(keys.shape[2], device=q.device)
         mask = (span.unsqueeze(0) < batch.decode_context_lens.unsqueeze(1)).view(batch_size, 1, 1, -1)
         grouped_q = q.view(batch_size, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
@@ -170,8 +171,8 @@ class Attention(nn.Module):
                 keys, values = k[rows], v[rows]
                 mask = None
             else:  # a later chunk, or a cached prefix: attend to what the cache holds
-                keys = k_cache[part.block_table].flatten(0, 1)[: part.num_context_tokens]
-                values = v_cache[part.block_table].flatten(0, 1)[: part.num_context_tokens]
+                keys = _gather_blocks(k_cache, part.block_table).flatten(0, 1)[: part.num_context_tokens]
+                values = _gather_blocks(v_cache, part.block_table).flatten(0, 1)[: part.num_context_tokens]
                 query_pos = torch.arange(num_cached, part.num_context_tokens, device=q.device)
                 key_pos = torch.arange(part.num_context_tokens, device=q.device)
                 mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
@@ -211,6 +212,12 @@ class Attention(nn.Module):
 # 512-token prefill is 15% faster on one core (1024: 17%, 2000: 11%; equal at 128). fp32 keeps SDPA,
 # the path held token-identical to HF.
 _PREFILL_BLOCK = 128
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`cache[block_ids]` for a 1-D or 2-D table of block ids, through `index_select` (advanced indexing
+    takes 5x as long on CPU for the same copy: 0.21 against 0.04 ms for 44 blocks here)."""
+    return cache.index_select(0, block_ids.reshape(-1)).view(*block_ids.shape, *cache.shape[1:])
 
 
 def _use_blocked_prefill(q: torch.Tensor) -> bool:
