@@ -1,15 +1,17 @@
-"""KV handoff between two Ray actors, both transports, against memcpy measured in the same run.
+"""KV handoff between two Ray actors, each transport, against memcpy measured in the same run.
 
-    .venv/bin/python -m benchmarks.kv_transfer_bench [--repeats 3] [--prompts 1024,8192] [--json out.json]
+    .venv/bin/python -m benchmarks.kv_transfer_bench [--repeats 3] [--prompts 1024,8192] [--transports ray,grpc,rdt]
+        [--json out.json]
 
 For each model shape (SmolLM2-135M: 30 layers x 3 kv heads x 64, 23,040 B/token in bf16; a Llama-3-8B
 shape: 32 x 8 x 128, 131,072 B/token) and prompt length, a prefill actor and a decode actor (one CPU
 and one torch thread each) hold paged caches of that shape, block size 16. One handoff is timed in the
 driver, which plays the router: from asking the prefill actor to ship the request's KV until the decode
 actor reports it ready (all layers installed and CRC-verified). For `ray` the driver routes the
-ObjectRef-carrying delivery to the decode actor; for `grpc` the prefill actor streams straight to the
-decode actor's server on 127.0.0.1. `memcpy` is one copy of the same bytes into a preallocated, warm
-buffer inside the decode actor: the limit. Medians over the repeats, after one warm-up handoff.
+ObjectRef-carrying delivery to the decode actor; for `rdt` it routes the header-only delivery and the
+decode actor pulls the payload over Ray Direct Transport (gloo; the two actors form a collective group
+first); for `grpc` the prefill actor streams straight to the decode actor's server on 127.0.0.1.
+`memcpy` is one copy of the same bytes into a preallocated, warm buffer inside the decode actor: the limit. Medians over the repeats, after one warm-up handoff.
 
 "whole" ships all layers as one group; "in groups" ships groups of 6 layers back to back, so the
 sender's export + CRC + send of one group overlaps the receiver's CRC + install of the previous one.
@@ -36,6 +38,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from engine.kv_cache import KVLayout  # noqa: E402
+from kvtransfer.rdt_transport import actor_class_options, form_group  # noqa: E402
 from tests.kv_ends import KVEndWorker  # noqa: E402
 
 BLOCK_SIZE_TOKENS = 16
@@ -74,7 +77,7 @@ class BenchEnd(KVEndWorker):
                 yield delivery
 
     def settle_sender(self, request_id: str, timeout_s: float = 60.0):
-        if type(self.side).__name__ == "RayKVSender":
+        if type(self.side).__name__ in ("RayKVSender", "RdtKVSender"):  # routed: the caller relays the ack
             self.side.acknowledge(request_id)
             return "acknowledged", None
         return self.wait_settled(request_id, timeout_s)
@@ -106,13 +109,15 @@ def one_handoff(prefill, decode, transport, block_ids, address, request_id, ms_p
 def bench_shape(name, layout, num_tokens, transports, repeats, ms_per_layer):
     num_blocks = -(-num_tokens // BLOCK_SIZE_TOKENS)
     num_bytes = num_blocks * layout.bytes_per_block
-    worker = ray.remote(num_cpus=1)(BenchEnd)
     rows = []
     for transport in transports:
         options = {"receive_buffer_bytes": num_bytes} if transport == "grpc" else {}
+        worker = ray.remote(num_cpus=1, **(actor_class_options() if transport == "rdt" else {}))(BenchEnd)
         prefill = worker.remote(layout, num_blocks, transport, "sender")
         decode = worker.remote(layout, num_blocks, transport, "receiver", **options)
         try:
+            if transport == "rdt":
+                form_group([prefill], [decode], backend="gloo")
             address = ray.get(decode.address.remote())
             memcpy_s = ray.get(decode.memcpy_s.remote(num_bytes, repeats))
             ray.get(prefill.free.remote(ray.get(prefill.allocate_random.remote(num_blocks))))
@@ -160,7 +165,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", default="1024,8192")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--transports", default="ray,grpc")
+    parser.add_argument("--transports", default="ray,grpc,rdt")
     parser.add_argument("--layerwise-ms-per-layer", type=float, default=0.0)
     parser.add_argument("--object-store-gb", type=float, default=3.0)
     parser.add_argument("--json")
@@ -169,8 +174,8 @@ def main() -> None:
              object_store_memory=int(args.object_store_gb * (1 << 30)), log_to_driver=False,
              configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     print(f"command: {shlex.join([sys.executable.split('/')[-1], '-m', 'benchmarks.kv_transfer_bench', *sys.argv[1:]])}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"ray {ray.__version__}")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
+          f"(CPU capability {torch.backends.cpu.get_cpu_capability()}), ray {ray.__version__}")
     header = ("| shape | prompt tokens | KV MB | transport | whole: ms / handoff | GB/s | "
               f"in groups of {LAYER_GROUP} layers: ms | GB/s | memcpy ms | memcpy GB/s | best of memcpy |")
     if args.layerwise_ms_per_layer:

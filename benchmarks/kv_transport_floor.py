@@ -8,7 +8,12 @@ no KV work around it, against memcpy measured in the same run.
   object of the previous repeat freed first). The ray transport's sender cannot do less than this;
 - `ray.get`: another actor maps the object (zero-copy) and reads one byte per page;
 - gRPC: a bare Python gRPC client stream of prebuilt 1 and 2 MiB `bytes` chunks (identity
-  serializers) to a server in another process that only counts them; the grpc transport's floor.
+  serializers) to a server in another process that only counts them; the grpc transport's floor;
+- rdt: two actors in a gloo group (kvtransfer/rdt_transport.py). "pull" is the rdt transport's mechanism
+  with no KV work: the receiving actor asks the other for a prebuilt tensor with
+  `tensor_transport="gloo"` and passes the ref to a task on itself that touches every page; "gloo" is
+  `ray.util.collective` send/recv of the same bytes into a warm preallocated buffer, no Ray task per
+  transfer: the floor under the pull.
 Medians over the repeats.
 """
 
@@ -27,6 +32,9 @@ os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+import torch  # noqa: E402
+
+from kvtransfer.rdt_transport import CONCURRENCY_GROUP, actor_class_options, form_group  # noqa: E402
 
 _SERVICE = "floor.Bulk"
 
@@ -60,6 +68,69 @@ class Receiver:
             times.append(time.perf_counter() - started)
             del array
         return statistics.median(times)
+
+
+class RdtEnd:
+    def __init__(self):
+        torch.set_num_threads(1)
+        self.payload = None
+
+    def stage(self, num_bytes: int) -> None:
+        self.payload = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+
+    def staged(self) -> torch.Tensor:
+        return self.payload
+
+    def pull(self, sender, repeats: int) -> float:
+        me = ray.get_runtime_context().current_actor
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            ref = sender.staged.options(tensor_transport="gloo").remote()
+            ray.get(me.__ray_call__.options(concurrency_group=CONCURRENCY_GROUP).remote(_touch, ref))
+            times.append(time.perf_counter() - started)
+            del ref
+        return statistics.median(times[1:])
+
+
+def _touch(_actor, tensor: torch.Tensor) -> int:
+    return int(tensor[::4096].sum())
+
+
+def _gloo_send(_actor, group: str, num_bytes: int, repeats: int) -> None:
+    import ray.util.collective as collective
+
+    payload = torch.ones(num_bytes, dtype=torch.uint8)
+    for _ in range(repeats + 1):
+        collective.send(payload, 1, group)
+
+
+def _gloo_recv(_actor, group: str, num_bytes: int, repeats: int) -> float:
+    import ray.util.collective as collective
+
+    target = torch.zeros(num_bytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        collective.recv(target, 0, group)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def rdt_floor(num_bytes: int, repeats: int) -> tuple[float, float]:
+    """(pull s, bare gloo s) between two fresh actors in one gloo group."""
+    end = ray.remote(num_cpus=1, **actor_class_options())(RdtEnd)
+    sender, receiver = end.remote(), end.remote()
+    try:
+        group = form_group([sender], [receiver], backend="gloo")
+        ray.get(sender.stage.remote(num_bytes))
+        pull_s = ray.get(receiver.pull.remote(sender, repeats))
+        sent = sender.__ray_call__.remote(_gloo_send, group, num_bytes, repeats)
+        gloo_s = ray.get(receiver.__ray_call__.remote(_gloo_recv, group, num_bytes, repeats))
+        ray.get(sent)
+        return pull_s, gloo_s
+    finally:
+        ray.kill(sender), ray.kill(receiver)
 
 
 def _serve(ports: "multiprocessing.Queue") -> None:
@@ -104,8 +175,9 @@ def main() -> None:
     parser.add_argument("--mib", default="24,189", help="payload sizes (MiB): a 1k and an 8k SmolLM2 prompt's KV")
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=2 << 30, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=2 << 30, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     rows = []
     try:
         sender = ray.remote(num_cpus=1)(Sender).remote()
@@ -118,6 +190,8 @@ def main() -> None:
                    "ray_get_ms": 1e3 * get_s}
             for chunk_mib in (1, 2):
                 row[f"grpc_{chunk_mib}MiB_chunks_ms"] = 1e3 * grpc_floor(num_bytes, chunk_mib << 20, max(3, args.repeats // 3))
+            pull_s, gloo_s = rdt_floor(num_bytes, args.repeats)
+            row["rdt_pull_ms"], row["gloo_send_recv_ms"] = 1e3 * pull_s, 1e3 * gloo_s
             for name in [key for key in row if key.endswith("_ms")]:
                 row[name.replace("_ms", "_GBps")] = num_bytes / (row[name] / 1e3) / 1e9
             row["ray_put_share_of_memcpy"] = row["memcpy_ms"] / row["ray_put_ms"]

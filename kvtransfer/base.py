@@ -109,8 +109,12 @@ class KVSender(ABC):
         buffer = self._staging.acquire(num_bytes)
         data = self.cache.export_blocks(held.block_ids, slice(start, stop), out=buffer)
         header = KVGroupHeader(held.request_id, self.sender_id, self.epoch, self.layout, start, stop,
-                               len(held.block_ids), num_bytes, checksum(as_bytes_view(data)))
+                               len(held.block_ids), num_bytes, self._checksum(data))
         return header, data, buffer
+
+    def _checksum(self, data: torch.Tensor) -> int:
+        """The header's checksum of an exported group (XXH3-64 of its bytes; rdt on device memory differs)."""
+        return checksum(as_bytes_view(data))
 
     def all_layers_sent(self, held: HeldRequest) -> bool:
         return len(held.layers_sent) == self.layout.num_layers

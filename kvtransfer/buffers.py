@@ -18,13 +18,13 @@ class BufferPool:
     made, growing only when no free one is large enough. Thread-safe.
     """
 
-    def __init__(self, initial_bytes: int = 0, count: int = 1):
+    def __init__(self, initial_bytes: int = 0, count: int = 1, device: str | torch.device = "cpu"):
         self._lock = threading.Lock()
+        self.device = torch.device(device)
         self._free: list[torch.Tensor] = [self._new(initial_bytes) for _ in range(count) if initial_bytes > 0]
 
-    @staticmethod
-    def _new(num_bytes: int) -> torch.Tensor:
-        buffer = torch.empty(num_bytes, dtype=torch.uint8)
+    def _new(self, num_bytes: int) -> torch.Tensor:
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
         buffer.fill_(0)  # touch every page now, not during a transfer
         return buffer
 

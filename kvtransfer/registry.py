@@ -18,6 +18,7 @@ class TransportEntry(NamedTuple):
 _TRANSPORTS: dict[str, TransportEntry] = {
     "ray": TransportEntry("kvtransfer.ray_transport", "RayKVSender", "RayKVReceiver"),
     "grpc": TransportEntry("kvtransfer.grpc_transport", "GrpcKVSender", "GrpcKVReceiver"),
+    "rdt": TransportEntry("kvtransfer.rdt_transport", "RdtKVSender", "RdtKVReceiver"),
 }
 
 

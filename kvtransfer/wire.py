@@ -163,12 +163,16 @@ def as_bytes_view(tensor: torch.Tensor) -> np.ndarray:
 def payload_as_kv(payload: Any, header: KVGroupHeader) -> torch.Tensor:
     """View (no copy) a received payload buffer as the `[layers, 2, blocks, ...]` tensor it encodes.
 
-    The buffer may be read-only (a Ray object store mapping); the tensor is only ever read from.
+    The buffer may be read-only (a Ray object store mapping); the tensor is only ever read from. A uint8
+    tensor (rdt, on the device it arrived on) is viewed as it is.
     """
-    flat = np.frombuffer(payload, dtype=np.uint8, count=header.payload_bytes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we never write into it
-        data = torch.from_numpy(flat)
+    if isinstance(payload, torch.Tensor):
+        data = payload.reshape(-1).view(torch.uint8)[: header.payload_bytes]
+    else:
+        flat = np.frombuffer(payload, dtype=np.uint8, count=header.payload_bytes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we never write into it
+            data = torch.from_numpy(flat)
     layout = header.layout
     shape = (header.layer_stop - header.layer_start, 2, header.num_blocks, layout.block_size_tokens,
              layout.num_kv_heads, layout.head_dim)

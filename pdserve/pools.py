@@ -40,6 +40,7 @@ class PoolManager:
         self.replaced: list[str] = []  # ids of dead workers replaced, oldest first
         self._missing: dict[str, int] = {}  # dead workers not yet replaced, per role
         self._healer: Optional[asyncio.Task] = None
+        self.kv_group: Optional[str] = None  # --transport rdt: the collective group of every worker, once formed
 
     def start_healing(self) -> None:
         self._healer = asyncio.get_running_loop().create_task(self.heal())
@@ -73,6 +74,10 @@ class PoolManager:
 
         if count == 0:
             return []
+        if self.kv_group is not None:
+            raise WorkerStartError(f"{role}: no worker can join the rdt transport's collective group after start "
+                                   "(Ray 2.60 fixes a gloo group's members); scaling up and replacing dead "
+                                   "workers need --transport ray or grpc")
         options = self._actor_options(role)
         if self.config.address == "local":  # a local node never grows: a pending actor would wait forever
             self._check_room(role, count, options)
@@ -81,10 +86,10 @@ class PoolManager:
             worker_id = f"{role}-{self._next_index[role]}"
             self._next_index[role] += 1
             if role == "prefill":
-                actor = ray.remote(PrefillWorker).options(**options).remote(
+                actor = self._actor_class(PrefillWorker).options(**options).remote(
                     worker_id, self.engine_config, self.config.transport, self.epoch, self.config.kv_timeout_s)
             else:
-                actor = ray.remote(DecodeWorker).options(**options).remote(
+                actor = self._actor_class(DecodeWorker).options(**options).remote(
                     worker_id, self.engine_config, self.config.transport, self.config.worker_bind_host(), role)
             actors.append(actor)
         try:  # ready = engine loaded; on a cluster, the wait includes any nodes its autoscaler adds
@@ -110,6 +115,27 @@ class PoolManager:
         self._pool(role).workers.extend(handles)
         log.info("%s pool: %d worker(s) joined: %s", role, count, ", ".join(h.worker_id for h in handles))
         return handles
+
+    def _actor_class(self, worker_class):
+        import ray
+
+        if self.config.transport != "rdt":
+            return ray.remote(worker_class)
+        from kvtransfer.rdt_transport import actor_class_options
+
+        return ray.remote(**actor_class_options())(worker_class)
+
+    async def form_kv_group(self) -> None:
+        """--transport rdt, once every worker of the start is ready: the collective group Ray Direct
+        Transport moves KV within (kvtransfer/rdt_transport.py); nccl where workers hold a GPU, else gloo."""
+        from kvtransfer.rdt_transport import form_group
+
+        backend = "nccl" if "num_gpus" in self._actor_options(self.decode_role) else "gloo"
+        senders = [w.actor for w in self.router.prefill_pool.workers]
+        receivers = [w.actor for w in self.router.decode_pool.workers]
+        self.kv_group = await asyncio.to_thread(form_group, senders, receivers, backend)
+        log.info("rdt transport: %s group %s over %d prefill + %d decode workers", backend, self.kv_group,
+                 len(senders), len(receivers))
 
     def _check_agreement(self, role: str, actors: list, infos: list) -> None:
         """Every worker of a system serves one dtype ("auto" resolves per node): a worker that differs
@@ -206,8 +232,9 @@ class PoolManager:
                         log.warning("could not kill %s: %s", worker.worker_id, error)
                     self.replaced.append(worker.worker_id)
                     self._missing[role] = self._missing.get(role, 0) + 1
-                    log.warning("%s pool: %s died; starting a replacement", role, worker.worker_id)
-                if self._missing.get(role):
+                    log.warning("%s pool: %s died; %s", role, worker.worker_id, "starting a replacement"
+                                if self.kv_group is None else "not replaced (the rdt transport's workers are fixed)")
+                if self._missing.get(role) and self.kv_group is None:
                     try:
                         await self.add_workers(role, self._missing[role])
                         self._missing[role] = 0
