@@ -187,7 +187,7 @@ class PoolManager:
     async def _drain_and_stop(self, role: str, worker) -> None:
         import ray
 
-        while worker.in_flight > 0:
+        while worker.in_flight > 0 or worker.reserving > 0:
             await asyncio.sleep(_DRAIN_POLL_S)
         try:
             load = await worker.actor.load.remote()

@@ -340,6 +340,7 @@ class Router:
                     decode = candidate.worker
                     if decode.state != "ready":  # it stopped being ready while we tried another
                         continue
+                    decode.reserving += 1  # a drain waits for it
                     try:
                         reused = await self._unless_aborted(record, decode.actor.reserve.remote(
                             wid, reserved_prompt, self.config.kv_timeout_s))
@@ -348,9 +349,9 @@ class Router:
                         if decode.state == "ready":
                             self._count_routing(decode.info.role, candidate)
                             return decode, reused
-                        # A scale-down began draining it while we reserved (its drain counts only
-                        # tracked requests): hand the blocks back and go elsewhere, not to a stopping worker.
-                        self._fire(decode.actor.abort.remote(wid))
+                        # A scale-down began draining it while we reserved: hand the blocks back before
+                        # the drain looks (it waits for `reserving`), and go elsewhere.
+                        await decode.actor.abort.remote(wid)
                     except (asyncio.CancelledError, RequestAborted):
                         # The client left (or aborted) while the reservation was on its way: it may be
                         # made by now, and nothing else knows of it.
@@ -360,6 +361,8 @@ class Router:
                         if not is_actor_death(error):
                             raise
                         decode.state = "dead"  # skipped from now on; the pool manager replaces it
+                    finally:
+                        decode.reserving -= 1
                 if time.monotonic() + delay_s > deadline:
                     raise AdmissionTimeoutError(
                         f"no decode worker had KV room for {num_prompt_tokens} prompt tokens within "
