@@ -5,8 +5,9 @@ blocks, exported by `PagedKVCache.export_blocks` as a contiguous
 `[layers, 2, num_blocks, block_size_tokens, kv_heads, head_dim]` tensor, shipped as its bytes.
 The header carries the format version, the handoff identity (request id, sender id and epoch), the
 layout fingerprint (the `KVLayout` fields), the layer range, the block count, the payload length and
-an XXH3-64 checksum of the payload (v1 used CRC-32: 4 GB/s here, XXH3 30 GB/s). A receiver checks version and layout on the first message it reads and fails
-with a typed error; nothing received is ever unpickled.
+an XXH3-64 checksum of the payload (v1 used CRC-32: 4 GB/s here, XXH3 30 GB/s; `rdt` on device memory
+puts its on-device checksum there, kvtransfer/rdt_transport.py). A receiver checks version and layout
+on the first message it reads and fails with a typed error; nothing received is ever unpickled.
 """
 
 from __future__ import annotations
