@@ -211,12 +211,15 @@ def _turn(system, prompt_ids: list[int], max_tokens: int = 10, **router_config):
         router.config = own
 
 
+def _first_turn(system, tokenizer, question: str):
+    """A conversation's first turn: (its prompt ids, its completion, one KV block's bytes)."""
+    prompt = tokenizer.encode(_SYSTEM + question)
+    return prompt, _turn(system, prompt), system.system.router.decode_pool.workers[0].info.kv_block_bytes
+
+
 def test_later_turns_go_where_the_history_is_cached_and_ship_only_new_blocks(system, smollm_fp32):
     tokenizer = smollm_fp32.tokenizer
-    router = system.system.router
-    block_bytes = router.decode_pool.workers[0].info.kv_block_bytes
-    prompt = tokenizer.encode(_SYSTEM + "Question: why did towns grow at river crossings?")
-    first = _turn(system, prompt)
+    prompt, first, block_bytes = _first_turn(system, tokenizer, "Question: why did towns grow at river crossings?")
     assert first.prefill_worker and first.timings.kv_bytes == -(-len(prompt) // 16) * block_bytes
     reused_before = _counter(system, "kv_bytes_reused").get((), 0)
     for question in (" And why near river mouths?", " What did traders carry on the rivers?"):
@@ -239,8 +242,7 @@ def test_later_turns_go_where_the_history_is_cached_and_ship_only_new_blocks(sys
 
 def test_a_later_turn_prefills_on_the_decode_worker_holding_its_history(system, smollm_fp32):
     tokenizer = smollm_fp32.tokenizer
-    prompt = tokenizer.encode(_SYSTEM + "Question: what is a ford?")
-    first = _turn(system, prompt)
+    prompt, first, _ = _first_turn(system, tokenizer, "Question: what is a ford?")
     prompt = prompt + first.token_ids + tokenizer.encode(" Thanks. And a ferry?")
     turn = _turn(system, prompt, pd=PDPolicyConfig("auto", local_max_prompt_tokens=64))
     assert not turn.prefill_worker and turn.timings.kv_bytes == 0  # computed where it decodes, nothing shipped
@@ -252,10 +254,7 @@ def test_a_later_turn_prefills_on_the_decode_worker_holding_its_history(system, 
 
 def test_load_routing_ships_the_whole_prompt(system, smollm_fp32):
     tokenizer = smollm_fp32.tokenizer
-    router = system.system.router
-    block_bytes = router.decode_pool.workers[0].info.kv_block_bytes
-    prompt = tokenizer.encode(_SYSTEM + "Question: who built the first bridges?")
-    first = _turn(system, prompt)
+    prompt, first, block_bytes = _first_turn(system, tokenizer, "Question: who built the first bridges?")
     prompt = prompt + first.token_ids + tokenizer.encode(" And the first canals?")
     turn = _turn(system, prompt, routing=RoutingConfig("load"))
     assert turn.timings.kv_bytes == -(-len(prompt) // 16) * block_bytes
