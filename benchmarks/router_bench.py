@@ -13,7 +13,7 @@ its decode phase (the decode worker runs all N). The whole run mixes in the ramp
 prefilled while early streams decode at small batches, whose steps are faster) and each request's
 set-up; the steady window compares ITL and step time over the same steps.
 
-    .venv/bin/python -m benchmarks.router_bench [--streams 64] [--tokens 64] [--transport ray] [--stream-interval 1]
+    .venv/bin/python -m benchmarks.router_bench [--streams 64] [--tokens 64] [--transport ray] [--stream-interval 1] [--routing prefix|load]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--transport", default="ray", choices=["ray", "grpc"])
+    parser.add_argument("--routing", default="prefix", choices=["prefix", "load"], help="the router's --routing")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", default=None)
     parser.add_argument("--stream-interval", type=int, default=1, help="decode tokens per streamed message")
@@ -57,7 +58,7 @@ def main() -> None:
     from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
     config = ServeConfig(transport=args.transport, dtype=args.dtype, port=0, max_num_seqs=args.streams,
-                         stream_interval=args.stream_interval, pd_policy="remote")  # the disaggregated path, as before
+                         stream_interval=args.stream_interval, pd_policy="remote", routing=args.routing)  # the disaggregated path, as before
     init_ray(config)
     loop = asyncio.new_event_loop() if args.asyncio_loop else new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
