@@ -33,14 +33,6 @@ class WorkerPool:
     def ready(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.state == "ready"]
 
-    def pick(self, exclude: tuple[str, ...] = ()) -> WorkerHandle:
-        """The ready worker with the fewest prompt tokens waiting to be prefilled, then the fewest of our
-        requests; ties go to the one with most free KV."""
-        candidates = [w for w in self.ready() if w.worker_id not in exclude]
-        if not candidates:
-            raise NoWorkerError(f"no ready {self.role} worker")
-        return min(candidates, key=lambda w: (w.queued_prompt_tokens, w.in_flight, -(w.kv_blocks_free or 0)))
-
 
 class NoWorkerError(RuntimeError):
     pass

@@ -29,7 +29,7 @@ def _chat_all(system, questions, **sampling):
 def test_rdt_two_by_two_serves_concurrent_streams_identically(harness, expected):
     system = harness.start(transport="rdt", num_prefill=2, num_decode=2)
     try:
-        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(32)]
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(12)]
         completions = _chat_all(system, questions, max_tokens=12, temperature=0)
         for question, completion in zip(questions, completions):
             assert completion.token_ids == expected[question].token_ids[:12]
