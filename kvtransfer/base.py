@@ -135,6 +135,21 @@ class KVReceiver(Reservations, ABC):
     def deliver(self, delivery: KVDelivery) -> bool:
         raise NotImplementedError(f"{type(self).__name__} receives in-band; nothing to deliver")
 
+    def _install_routed(self, encoded_header: bytes, receive: Callable[[KVGroupHeader], bool]) -> bool:
+        """A routed delivery (ray, rdt): its header decoded and checked, then `receive(header)` fetches
+        and installs the payload; True once the request has all its layers. On any `KVTransferError`
+        the request fails (its blocks freed at the next `poll`) and the error is raised."""
+        header = None
+        try:
+            header = KVGroupHeader.decode(encoded_header, self.layout)
+            self.check(header)
+            return receive(header)
+        except KVTransferError as error:
+            request_id = header.request_id if header is not None else error.request_id
+            if request_id is not None:
+                self.fail(request_id, error)
+            raise
+
     def close(self) -> None:
         self.cancel_all()
 

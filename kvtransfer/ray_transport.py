@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import ray
 
 from kvtransfer.base import DEFAULT_LEASE_S, KVReceiver, KVSender
-from kvtransfer.errors import KVTransferError, TransferAbortedError
+from kvtransfer.errors import TransferAbortedError
 from kvtransfer.wire import KVGroupHeader, as_bytes_view
 
 
@@ -53,19 +53,12 @@ class RayKVReceiver(KVReceiver):
     def deliver(self, delivery: RayKVDelivery) -> bool:
         """Install one routed layer group; True once the request has all its layers. Raises a
         `KVTransferError` (and fails the request, freed at the next `poll`) on any problem."""
-        header = None
+        return self._install_routed(delivery.header, lambda header: self.install(header, self._fetch(delivery, header)))
+
+    def _fetch(self, delivery: RayKVDelivery, header: KVGroupHeader):
         try:
-            header = KVGroupHeader.decode(delivery.header, self.layout)
-            self.check(header)
-            try:
-                payload = ray.get(delivery.payload, timeout=self.get_timeout_s)
-            except (ray.exceptions.RayError, TimeoutError) as error:
-                raise TransferAbortedError(
-                    f"KV payload of request {header.request_id!r} is unreachable (sender gone?): "
-                    f"{type(error).__name__}", header.request_id) from error
-            return self.install(header, payload)
-        except KVTransferError as error:
-            request_id = header.request_id if header is not None else error.request_id
-            if request_id is not None:
-                self.fail(request_id, error)
-            raise
+            return ray.get(delivery.payload, timeout=self.get_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            raise TransferAbortedError(
+                f"KV payload of request {header.request_id!r} is unreachable (sender gone?): "
+                f"{type(error).__name__}", header.request_id) from error

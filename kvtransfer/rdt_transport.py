@@ -209,16 +209,7 @@ class RdtKVReceiver(KVReceiver):
     def deliver(self, delivery: RdtKVDelivery) -> bool:
         """Pull and install one routed layer group; True once the request has all its layers. Raises a
         `KVTransferError` (and fails the request, freed at the next `poll`) on any problem."""
-        header = None
-        try:
-            header = KVGroupHeader.decode(delivery.header, self.layout)
-            self.check(header)
-            return self._pull(delivery, header)
-        except KVTransferError as error:
-            request_id = header.request_id if header is not None else error.request_id
-            if request_id is not None:
-                self.fail(request_id, error)
-            raise
+        return self._install_routed(delivery.header, lambda header: self._pull(delivery, header))
 
     def _pull(self, delivery: RdtKVDelivery, header: KVGroupHeader) -> bool:
         me = _current_actor()
