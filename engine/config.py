@@ -142,6 +142,7 @@ class EngineConfig:
     decode_interleave_tokens: Optional[int] = None  # engine.scheduler.SchedulerConfig
     enable_prefix_caching: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs on CUDA (engine.cuda_graphs); no effect elsewhere
     # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes text
     # only for requests with stop strings, which it must see to stop at the right token.
     detokenize: bool = True

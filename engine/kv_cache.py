@@ -56,11 +56,17 @@ class KVLayout:
 AUTO_KV_FRACTION = 0.10  # of the memory available on the node, per worker
 AUTO_KV_MAX_BYTES = 4 << 30  # as vLLM-CPU's default KV space
 AUTO_KV_MIN_BYTES = 256 << 20
+AUTO_KV_CUDA_FRACTION = 0.8  # of the GPU's free memory after the weights
 
 
-def auto_kv_cache_bytes() -> int:
+def auto_kv_cache_bytes(device: str | torch.device = "cpu") -> int:
     """A worker's KV cache when none is configured: a tenth of the memory available on its node now
-    (as vLLM sizes its cache from free memory), between 256 MiB and 4 GiB."""
+    (as vLLM sizes its cache from free memory), between 256 MiB and 4 GiB; on a GPU, `AUTO_KV_CUDA_FRACTION`
+    of its free memory once the weights are in (vLLM's `gpu_memory_utilization`), the rest left to
+    activations and CUDA graphs."""
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * AUTO_KV_CUDA_FRACTION)
     available = _available_memory_bytes()
     if available is None:
         return 512 << 20

@@ -20,6 +20,7 @@ import torch
 
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
+from engine.cuda_graphs import decode_graphs_for
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVLayout, PagedKVCache, auto_kv_cache_bytes
 from engine.model_runner import ModelRunner
@@ -64,15 +65,20 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.layout = KVLayout.for_model(self.model_config, config.block_size_tokens, config.torch_dtype)
-        kv_cache_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else auto_kv_cache_bytes()
+        kv_cache_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else auto_kv_cache_bytes(config.device)
         num_blocks = PagedKVCache.num_blocks_for_bytes(self.layout, kv_cache_bytes)
-        self.kv_cache = PagedKVCache(self.layout, num_blocks, config.device)
+        use_graphs = config.cuda_graphs and torch.device(config.device).type == "cuda"
+        # With CUDA graphs, one block past the allocator's is the sink padding rows write to.
+        self.kv_cache = PagedKVCache(self.layout, num_blocks + use_graphs, config.device)
         self.allocator = BlockAllocator(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
         # The longest sequence (prompt + output) this engine serves: the model's context, unless its KV
         # cache holds fewer tokens (a sequence alone must always fit, or it would preempt itself for ever).
         self.max_model_len = min(self.model_config.max_context_tokens, num_blocks * config.block_size_tokens)
         self.scheduler = Scheduler(config.scheduler, self.allocator)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache)
+        if use_graphs:
+            self.runner.graphs = decode_graphs_for(self.loaded.model, self.kv_cache, config.max_num_seqs,
+                                                   self.max_model_len, sink_block=num_blocks)
         self.eos_token_ids = frozenset(self.tokenizer.special.eos_token_ids) if self.tokenizer else frozenset()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

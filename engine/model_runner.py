@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import TYPE_CHECKING, Optional, Sequence as Seq
 
 import torch
 
 from engine.kv_cache import PagedKVCache
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphs
 
 
 class ModelRunner:
@@ -17,6 +20,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size_tokens = kv_cache.layout.block_size_tokens
         self.device = kv_cache.kv.device
+        self.graphs: Optional["DecodeGraphs"] = None  # set by the engine on CUDA (engine.cuda_graphs)
 
     def _slots(self, block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(block_ids, dtype=torch.long)
@@ -56,6 +60,9 @@ class ModelRunner:
         tables = torch.tensor([seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in seqs], dtype=torch.long)
         slots = tables.gather(1, (positions // self.block_size_tokens).unsqueeze(1)).squeeze(1) * self.block_size_tokens
         slots += positions % self.block_size_tokens
+        if self.graphs is not None and self.graphs.fits(*tables.shape):
+            input_ids = torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.long)
+            return self.graphs.run(input_ids, positions, slots, tables)
         batch = ForwardBatch(
             positions=positions.to(self.device),
             slot_mapping=slots.to(self.device),

@@ -16,6 +16,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the engine runs; auto: cuda where torch sees a GPU, else cpu")
+    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -38,6 +39,7 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.weights import resolve_device
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=resolve_device(args.device),
+                                    cuda_graphs=not args.enforce_eager,
                                     num_threads=args.threads or os.cpu_count()))
     if engine.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer, so it cannot take a text prompt")
@@ -66,6 +68,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where the cluster has GPUs, else cpu")
+    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--address", default="local", help="'local' starts Ray here; 'auto' or host:port joins a cluster")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
@@ -120,7 +123,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _serve_config(args: argparse.Namespace, **overrides):
     from pdserve.system import ServeConfig
 
-    fields = dict(model=args.model, dtype=args.dtype, device=args.device, mode=args.mode, transport=args.transport,
+    fields = dict(model=args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+                  mode=args.mode, transport=args.transport,
                   num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
                   worker_start_timeout_s=args.worker_start_timeout_s,
                   address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,

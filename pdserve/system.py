@@ -29,6 +29,7 @@ class ServeConfig:
     model: str = "default"
     dtype: str = "auto"  # bf16 where the workers' hardware has it natively, else fp32 (engine.weights.auto_dtype)
     device: str = "auto"  # "cuda": each worker asks Ray for one GPU; "auto": cuda when the cluster has GPUs
+    enforce_eager: bool = False  # no CUDA graphs for decode steps on GPUs (vLLM's flag of that name)
     mode: str = "disaggregated"
     transport: str = "ray"
     num_prefill: int = 1
@@ -154,7 +155,7 @@ class ServeConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, block_size_tokens=self.block_size_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
-                            decode_interleave_tokens=self.decode_interleave_tokens)
+                            decode_interleave_tokens=self.decode_interleave_tokens, cuda_graphs=not self.enforce_eager)
 
 
 def _uvloop():

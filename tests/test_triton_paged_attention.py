@@ -35,6 +35,9 @@ CASES = {
     "f16": (4, 2, 64, 16, [5, 48], torch.float16),
 }
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}  # as the CPU kernel's tests
+# Contexts split into partitions (flash decoding): 3 leaves ragged ones, 7 more than a short context's tiles
+# (empty partitions, which must weigh nothing).
+PARTITIONS = (3, 7)
 POISONED = "poisoned"  # rows no sequence owns hold huge K and NaN V: they must never be read
 
 
@@ -82,6 +85,16 @@ def test_the_kernel_matches_a_float64_reference(interpreted, name):
                                atol=TOLERANCE[q.dtype], rtol=0)
 
 
+@pytest.mark.parametrize("partitions", PARTITIONS)
+@pytest.mark.parametrize("name", ["smollm2-f32", "llama3-8b-grouping-bf16", "no-grouping-block4-f32", "f16"])
+def test_a_context_split_into_partitions_matches_the_reference(interpreted, name, partitions):
+    (q, k_cache, v_cache, tables, lens), scale = _case(name)
+    got = interpreted[f"{name}/{partitions}"]
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.double(), _reference(q, k_cache, v_cache, tables, lens, scale),
+                               atol=TOLERANCE[q.dtype], rtol=0)
+
+
 def test_rows_outside_a_sequence_never_leak_into_it(interpreted):
     assert torch.equal(interpreted[POISONED], interpreted["smollm2-f32"])
 
@@ -91,7 +104,13 @@ def _run_interpreted(out_path: str) -> None:
     from engine.triton_paged_attention import TritonPagedDecodeAttention
 
     kernel = TritonPagedDecodeAttention()
-    torch.save({name: kernel(*tensors, scale) for name, (tensors, scale) in _all_inputs().items()}, out_path)
+    outputs = {}
+    for name, (tensors, scale) in _all_inputs().items():
+        outputs[name] = kernel(*tensors, scale)
+        if name in ("smollm2-f32", "llama3-8b-grouping-bf16", "no-grouping-block4-f32", "f16"):
+            for partitions in PARTITIONS:
+                outputs[f"{name}/{partitions}"] = kernel(*tensors, scale, num_partitions=partitions)
+    torch.save(outputs, out_path)
 
 
 if __name__ == "__main__":
