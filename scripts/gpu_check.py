@@ -172,6 +172,104 @@ def check_prefill_backend(device: str, sizes: Sizes) -> dict:
     return {"backends": runs, "fused": any(r == "runs" for r in runs.values())}
 
 
+# -- attention accuracy in 16-bit ----------------------------------------------------------------------
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 causal attention; q `[n, heads, d]`, k/v `[n, kv_heads, d]`; returns `[n, heads, d]`."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double().transpose(0, 1), k.double().repeat_interleave(group, 1).transpose(0, 1), v.double().repeat_interleave(group, 1).transpose(0, 1)
+    scores = (q @ k.transpose(1, 2)) * scale
+    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+def check_attention_accuracy(device: str, sizes: Sizes) -> dict:
+    """The engine's prefill attention call (`Attention._prefill_attention`, a fresh prompt) and other ways
+    of making the same SDPA call, in bf16, against float64: the largest difference of each."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from engine.config import ModelConfig
+    from engine.model import Attention, ForwardBatch, PrefillSlice
+
+    rows = []
+    for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128)):  # SmolLM2-135M, Llama-3-8B
+        config = ModelConfig(name="probe", vocab_size=16, hidden_size=heads * head_dim, intermediate_size=16, num_layers=1,
+                             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_context_tokens=4096,
+                             rms_norm_eps=1e-5, rope_theta=1e4)
+        attention = Attention(config)
+        for n in (37, 512):
+            generator = torch.Generator(device=device).manual_seed(n)
+            make = lambda h: torch.randn(n, h, head_dim, generator=generator, device=device).to(torch.bfloat16)  # noqa: E731
+            q, k, v = make(heads), make(kv_heads), make(kv_heads)
+            reference = _causal_reference(q, k, v, attention.scale)
+            batch = ForwardBatch(positions=torch.arange(n, device=device), slot_mapping=torch.arange(n, device=device),
+                                 prefill_slices=[PrefillSlice(0, n, n, torch.zeros(1, dtype=torch.long, device=device))])
+            layout = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731  [1, heads, n, d], strided as the engine's
+            unlayout = lambda t: t[0].transpose(0, 1)  # noqa: E731
+            sdpa = lambda q4, k4, v4, gqa=True: unlayout(F.scaled_dot_product_attention(  # noqa: E731
+                q4, k4, v4, is_causal=True, scale=attention.scale, enable_gqa=gqa))
+            group = heads // kv_heads
+            variants = {
+                "engine": lambda: attention._prefill_attention(q, k, v, None, None, batch).view(n, heads, head_dim),
+                "strided_gqa": lambda: sdpa(layout(q), layout(k), layout(v)),
+                "contiguous_gqa": lambda: sdpa(layout(q).contiguous(), layout(k).contiguous(), layout(v).contiguous()),
+                "repeated_kv": lambda: sdpa(layout(q), layout(k.repeat_interleave(group, 1)), layout(v.repeat_interleave(group, 1)), False),
+            }
+            row = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "tokens": n}
+            for name, fn in variants.items():
+                try:
+                    row[name] = (fn().double() - reference).abs().max().item()
+                except Exception as error:
+                    row[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+            try:
+                with sdpa_kernel([SDPBackend.MATH]):
+                    row["math_backend_gqa"] = (variants["strided_gqa"]().double() - reference).abs().max().item()
+            except Exception as error:
+                row["math_backend_gqa"] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+            rows.append(row)
+    return {"prefill_bf16_max_abs_difference_vs_float64": rows, "decode_bf16_max_abs_difference_vs_float64": _decode_accuracy(device)}
+
+
+def _decode_accuracy(device: str) -> list[dict]:
+    """The paged decode kernel in bf16 (every partition count it may pick, and one) against float64."""
+    from engine.paged_attention import decode_kernel_for
+
+    kernel, rows, block_size, lens = decode_kernel_for(device), [], 16, [1, 17, 300, 640]
+    if kernel is None:
+        return rows
+    for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128)):
+        generator = torch.Generator(device=device).manual_seed(heads)
+        width = -(-max(lens) // block_size)
+        num_blocks = len(lens) * width + 1
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        k_cache = torch.randn(shape, generator=generator, device=device).to(torch.bfloat16)
+        v_cache = torch.randn(shape, generator=generator, device=device).to(torch.bfloat16)
+        tables = torch.randperm(num_blocks, generator=generator, device=device)[: len(lens) * width].view(len(lens), width)
+        q = torch.randn(len(lens), heads, head_dim, generator=generator, device=device).to(torch.bfloat16)
+        context_lens = torch.tensor(lens, device=device)
+        scale = head_dim**-0.5
+        reference = torch.stack([_last_query_reference(q[b], k_cache[tables[b]].flatten(0, 1)[:n],
+                                                       v_cache[tables[b]].flatten(0, 1)[:n], scale)
+                                 for b, n in enumerate(lens)])
+        row = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "context_tokens": lens,
+               "default": (kernel(q, k_cache, v_cache, tables, context_lens, scale).double() - reference).abs().max().item()}
+        if "num_partitions" in kernel.__call__.__code__.co_varnames:
+            for parts in (1, 3, 32):
+                got = kernel(q, k_cache, v_cache, tables, context_lens, scale, num_partitions=parts)
+                row[f"partitions_{parts}"] = (got.double() - reference).abs().max().item()
+        rows.append(row)
+    return rows
+
+
+def _last_query_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of one query `[heads, d]` over all of k/v `[n, kv_heads, d]`."""
+    group = q.shape[0] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("hd,nhd->hn", q.double(), k) * scale
+    return torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+
+
 # -- the paged decode kernel -----------------------------------------------------------------------
 
 
@@ -468,6 +566,15 @@ def print_table(report: dict) -> None:
         elif name == "prefill_backend":
             for backend, state in section["backends"].items():
                 line(name, backend, state)
+        elif name == "attention_accuracy":
+            for case in section["prefill_bf16_max_abs_difference_vs_float64"]:
+                what = f"{case['heads']}/{case['kv_heads']} heads x {case['head_dim']}, {case['tokens']} tokens"
+                figures = {k: v for k, v in case.items() if k not in ("heads", "kv_heads", "head_dim", "tokens")}
+                line(name, what, " ".join(f"{k}={v:.2g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()))
+            for case in section["decode_bf16_max_abs_difference_vs_float64"]:
+                what = f"decode {case['heads']}/{case['kv_heads']} heads x {case['head_dim']}"
+                figures = {k: v for k, v in case.items() if k not in ("heads", "kv_heads", "head_dim", "context_tokens")}
+                line(name, what, " ".join(f"{k}={v:.2g}" for k, v in figures.items()))
         elif name == "decode_kernel":
             for case in section["cases"]:
                 what = f"batch {case['batch']} x {case['context_tokens']} tokens, ms paged / gather"
@@ -500,7 +607,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                         help="the speed section's dtype (default: bf16 on CUDA, fp32 on CPU, where bf16 linears are "
                              "packed for oneDNN and HF cannot share them); correctness runs both")
-    parser.add_argument("--sections", default="correctness,prefill_backend,decode_kernel,engine_speed,kv_handoff",
+    parser.add_argument("--sections", default="correctness,prefill_backend,attention_accuracy,decode_kernel,engine_speed,kv_handoff",
                         help="comma-separated, of those")
     parser.add_argument("--out", default="gpu_check.json")
     args = parser.parse_args(argv)
@@ -516,6 +623,7 @@ def main(argv=None) -> int:
     checks = {
         "correctness": lambda: check_correctness(device, sizes),
         "prefill_backend": lambda: check_prefill_backend(device, sizes),
+        "attention_accuracy": lambda: check_attention_accuracy(device, sizes),
         "decode_kernel": lambda: check_decode_kernel(device, sizes),
         "engine_speed": lambda: check_engine_speed(device, sizes, speed_dtype),
         "kv_handoff": lambda: check_kv_handoff(device, sizes),
