@@ -1,9 +1,15 @@
-"""Pre-packed bf16 linear layers on CPU (oneDNN's blocked weight layout).
+"""Linear layers laid out once at load time for the CPU's matmul kernels.
 
-`F.linear` re-lays out a bf16 weight for oneDNN on every call; packing once at load time makes the
-small-batch matmuls of decode about 2x faster here (lm_head at batch 1: 3.2 -> 1.8 ms) and is
-bit-identical to `F.linear` in bf16 (benchmarks in docs/benchmarks.md). fp32 stays on `F.linear`: it is
-the precision we hold token-identical to HF, and packing changes its rounding slightly.
+- bf16: pre-packed for oneDNN (its blocked weight layout). `F.linear` re-lays out a bf16 weight for
+  oneDNN on every call; packing once makes the small-batch matmuls of decode about 2x faster here
+  (lm_head at batch 1: 3.2 -> 1.8 ms) and is bit-identical to `F.linear` in bf16.
+- fp32: the weight transposed (`[in, out]`, contiguous) and multiplied as `x @ weight_t`. For 3-15
+  rows (decode steps) MKL takes a kernel for that layout that reads a model's weights 1.4-1.7x as fast
+  as `F.linear`'s (docs/benchmarks.md); from 16 rows on (prefill) both layouts run the same kernel,
+  bit-identical. Below 16 rows the sums' order differs from `F.linear`'s in the last bits, which
+  greedy decoding does not see (the HF comparisons in tests/ hold).
+
+`PDSERVE_DISABLE_PACKING=1` keeps plain `nn.Linear` for both.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     )
 
 
+def transposing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    return dtype == torch.float32 and torch.device(device).type == "cpu" and os.environ.get(DISABLE_ENV) != "1"
+
+
 class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         super().__init__()
@@ -40,15 +50,29 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every `nn.Linear` of `model` (and its tied LM head) with a `PackedLinear`; returns how many."""
+class TransposedLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.register_buffer("weight_t", weight.detach().t().contiguous())  # in state_dict(), as `weight` was
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+def pack_linears(model: nn.Module, layer=PackedLinear) -> int:
+    """Replaces every `nn.Linear` of `model` (and its tied LM head, which then holds its own copy of the
+    embedding table) with `layer` (`PackedLinear` or `TransposedLinear`); returns how many."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, layer(child.weight, child.bias))
                 replaced += 1
     if getattr(model, "lm_head", "absent") is None:  # tied: the head reads the embedding table
-        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        model.lm_head = layer(model.embed_tokens.weight, None)
         replaced += 1
     return replaced

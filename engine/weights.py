@@ -12,7 +12,7 @@ from typing import Iterable, Optional
 import torch
 
 from engine.config import NAMED_SHAPES, ModelConfig
-from engine.cpu_packing import pack_linears, packing_supported
+from engine.cpu_packing import TransposedLinear, pack_linears, packing_supported, transposing_supported
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
 from engine.model import LlamaModel, rope_inv_freq
 from engine.paged_attention import decode_kernel_for
@@ -145,5 +145,7 @@ def build_model(config: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tenso
 def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) -> LlamaModel:
     if packing_supported(dtype, device):
         pack_linears(model)
+    elif transposing_supported(dtype, device):
+        pack_linears(model, TransposedLinear)
     model.use_decode_kernel(decode_kernel_for(device))
     return model

@@ -349,6 +349,8 @@ def _hf_twin(loaded, dtype: torch.dtype, device: str):
         torch.set_default_dtype(default_dtype)
     state = {}
     for name, tensor in loaded.model.state_dict().items():
+        if name.endswith(".weight_t"):  # an fp32 CPU model's TransposedLinear (engine.cpu_packing)
+            name, tensor = name.removesuffix("_t"), tensor.t()
         if ".qkv_proj." in name:
             for part, piece in zip("qkv", tensor.split((c.q_size, c.kv_size, c.kv_size))):
                 state["model." + name.replace("qkv_proj", f"{part}_proj")] = piece

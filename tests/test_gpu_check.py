@@ -19,10 +19,15 @@ def test_the_device_check_runs_every_section_on_cpu(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     report = json.loads(out.read_text())
     sections = report["sections"]
-    assert list(sections) == ["correctness", "prefill_backend", "decode_kernel", "engine_speed", "kv_handoff"]
+    assert list(sections) == ["correctness", "prefill_backend", "attention_accuracy", "decode_kernel", "engine_speed",
+                              "kv_handoff"]
     assert all(section["ok"] for section in sections.values())
     assert sections["correctness"]["fp32_identical_to_hf"]
     assert sections["prefill_backend"]["fused"]
+    accuracy = sections["attention_accuracy"]  # bf16 against float64
+    for case in accuracy["prefill_bf16_max_abs_difference_vs_float64"]:
+        assert case["engine"] < 5e-2 and case["strided_gqa"] < 5e-2
+    assert [case["default"] < 2e-2 for case in accuracy["decode_bf16_max_abs_difference_vs_float64"]] == [True, True]
     for case in sections["decode_kernel"]["cases"]:
         assert case["kernel"] == "PagedDecodeAttention" and case["max_abs_difference"] < 2e-2  # bf16 rounding
     speed = sections["engine_speed"]

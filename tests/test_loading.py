@@ -105,7 +105,26 @@ def test_bf16_cpu_models_use_packed_linears_that_match_f_linear_bit_for_bit(monk
     for rows in (1, 7, 300):
         x = torch.randn(rows, 64).bfloat16()
         assert torch.equal(PackedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
-    assert not any(isinstance(m, PackedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules())  # fp32: transposed
+
+
+def test_fp32_cpu_models_use_transposed_linears_that_match_f_linear(monkeypatch):
+    from engine.cpu_packing import DISABLE_ENV, TransposedLinear
+
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    loaded = load_model("dummy:tiny", torch.float32)
+    layers = [m for m in loaded.model.modules() if isinstance(m, TransposedLinear)]
+    assert len(layers) == 4 * loaded.config.num_layers + 1  # qkv, o, gate_up, down per layer + the tied head
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    for rows in (1, 3, 8, 15):  # decode: MKL's kernel for this layout sums in another order
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(TransposedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+    for rows in (16, 300):  # prefill: the same kernel as F.linear's, bit for bit
+        x = torch.randn(rows, 64)
+        assert torch.equal(TransposedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert not any(isinstance(m, TransposedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules())
 
 
 def test_loading_the_default_model_does_not_import_torch_dynamo():
