@@ -33,24 +33,12 @@ bench() {  # name backend port
     grep -E "Output token throughput|Median TTFT|P99 TTFT" "$OUT/$1.txt" | sed "s/^/$1: /" || true
 }
 
-guarded_vllm() {  # the anchor's `vllm` wrapper, with the __main__ guard vLLM's spawned engine core needs
-    [ -f "$WORK/vllm_cli_guarded.py" ] && return
-    sed 's/^from vllm.entrypoints.cli.main import main$/if __name__ == "__main__":\n    from vllm.entrypoints.cli.main import main/; s/^sys.argv\[0\] = "vllm"$/    sys.argv[0] = "vllm"/; s/^sys.exit(main())$/    sys.exit(main())/' \
-        "$WORK/vllm_cli.py" > "$WORK/vllm_cli_guarded.py"
-}
-
 for system in "$@"; do
     name=${system%%:*}; rest=${system#*:}; backend=${rest%%:*}; flags=${rest#*:}
     if [ "$name" = vllm-pc ]; then
         bash "$ANCHOR" stop "$WORK" >/dev/null 2>&1 || true
-        guarded_vllm
-        export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CACHE_ROOT="$WORK/cache" VLLM_RPC_BASE_PATH="$WORK/rpc" \
-               TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
-        nohup "$WORK/venv/bin/python" "$WORK/vllm_cli_guarded.py" serve "$WORK/model" --served-model-name smollm2 \
-            --host 127.0.0.1 --port "$HTTP_PORT" --dtype "${flags:-float32}" --seed 0 --enable-prefix-caching \
-            --max-model-len 4096 > "$OUT/vllm-pc-start.log" 2>&1 < /dev/null &
-        echo $! > "$WORK/server.pid"
-        for _ in $(seq 1 400); do curl -sf "127.0.0.1:$HTTP_PORT/v1/models" >/dev/null && break; sleep 1; done
+        bash "$(dirname "$0")/vllm_serve.sh" "$WORK" "$HTTP_PORT" "${flags:-float32}" "$OUT/vllm-pc-start.log" \
+            --enable-prefix-caching
         bench vllm-pc openai-chat "$HTTP_PORT"
         bash "$ANCHOR" bench "$WORK" "http://127.0.0.1:$HTTP_PORT" smollm2 "$OUT/vllm-pc-prefix-repetition.json" 1 32 \
             --dataset-name prefix_repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 64 \

@@ -27,9 +27,9 @@ measure() {  # name base_url
 for system in "$@"; do
     name=${system%%:*}; flags=${system#*:}
     if [ "$name" = vllm ]; then
-        bash "$ANCHOR" serve "$WORK" "$PORT" "${flags:-float32}" > "$OUT/vllm-start.log" 2>&1
+        bash "$(dirname "$0")/vllm_serve.sh" "$WORK" "$PORT" "${flags:-float32}" "$OUT/vllm-start.log" --no-enable-prefix-caching
         measure vllm "http://127.0.0.1:$PORT"
-        bash "$ANCHOR" stop "$WORK"
+        bash "$ANCHOR" stop "$WORK" || true
         continue
     fi
     # shellcheck disable=SC2086

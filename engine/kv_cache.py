@@ -90,6 +90,7 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         shape = (layout.num_layers, 2, num_blocks, layout.block_size_tokens, layout.num_kv_heads, layout.head_dim)
         self.kv = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+        self._copy_stream = None  # CUDA: host staging of exported blocks (`_stage_to_host`)
         self.k_caches = [self.kv[layer, 0] for layer in range(layout.num_layers)]
         self.v_caches = [self.kv[layer, 1] for layer in range(layout.num_layers)]
 
@@ -108,7 +109,23 @@ class PagedKVCache:
             return source.index_select(2, index)
         shape = (source.shape[0], 2, len(block_ids), *source.shape[3:])
         view = out[: source.element_size() * math.prod(shape)].view(source.dtype).view(shape)
-        return torch.index_select(source, 2, index, out=view)
+        if out.device == self.kv.device:
+            return torch.index_select(source, 2, index, out=view)
+        return self._stage_to_host(source.index_select(2, index), view)
+
+    def _stage_to_host(self, gathered: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """Copies gathered device KV into a host buffer (pinned, for the `ray` and `grpc` transports) on a
+        stream of its own, so the copy does not queue behind, or hold up, the engine's kernels; returns
+        once the bytes are on the host."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.kv.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.kv.device))  # the gather is queued there
+        with torch.cuda.stream(stream):
+            host.copy_(gathered, non_blocking=True)
+            gathered.record_stream(stream)
+        stream.synchronize()
+        return host
 
     def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor, layers: slice = slice(None)) -> None:
         """Write exported blocks (same shape as `export_blocks` gives) into these block ids."""

@@ -61,7 +61,9 @@ class KVSender(ABC):
         self.sender_id = sender_id
         self.epoch = epoch
         self.ledger = SenderLedger(allocator)
-        self._staging = BufferPool()
+        # Host buffers; pinned when the cache is on a GPU (engine.kv_cache.PagedKVCache.export_blocks stages
+        # device KV through them on a side stream).
+        self._staging = BufferPool(pin_memory=cache.kv.device.type == "cuda")
         # A transport that streams (grpc) calls this with the request id between a group's header and its
         # payload (tests hold a transfer there: runtime.parking.Parking).
         self.between_header_and_payload: Optional[Callable[[str], None]] = None

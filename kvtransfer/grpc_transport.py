@@ -164,7 +164,7 @@ class GrpcKVReceiver(KVReceiver):
     def __init__(self, cache, allocator, host: str = "127.0.0.1", port: int = 0,
                  receive_buffer_bytes: int = 0, max_streams: int = 4):
         super().__init__(cache, allocator)
-        self._buffers = BufferPool(receive_buffer_bytes, count=1)
+        self._buffers = BufferPool(receive_buffer_bytes, count=1, pin_memory=cache.kv.device.type == "cuda")
         self._contexts: dict[str, grpc.ServicerContext] = {}
         self._contexts_lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_streams, thread_name_prefix="kv-recv"),

