@@ -27,7 +27,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.weights import LoadedModel, load_model
+from engine.weights import LoadedModel, load_model, resolve_device
 
 
 class RequestError(ValueError):
@@ -61,15 +61,16 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device)
+        device = resolve_device(config.device)
+        self.loaded = loaded or load_model(config.model, config.torch_dtype, device)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.layout = KVLayout.for_model(self.model_config, config.block_size_tokens, config.torch_dtype)
-        kv_cache_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else auto_kv_cache_bytes(config.device)
+        kv_cache_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else auto_kv_cache_bytes(device)
         num_blocks = PagedKVCache.num_blocks_for_bytes(self.layout, kv_cache_bytes)
-        use_graphs = config.cuda_graphs and torch.device(config.device).type == "cuda"
+        use_graphs = config.cuda_graphs and torch.device(device).type == "cuda"
         # With CUDA graphs, one block past the allocator's is the sink padding rows write to.
-        self.kv_cache = PagedKVCache(self.layout, num_blocks + use_graphs, config.device)
+        self.kv_cache = PagedKVCache(self.layout, num_blocks + use_graphs, device)
         self.allocator = BlockAllocator(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
         # The longest sequence (prompt + output) this engine serves: the model's context, unless its KV
         # cache holds fewer tokens (a sequence alone must always fit, or it would preempt itself for ever).

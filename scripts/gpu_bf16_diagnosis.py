@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import engine.weights as weights  # noqa: E402
-import gpu_check  # noqa: E402
+import gpu_engine  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model import ForwardBatch, PrefillSlice  # noqa: E402
@@ -39,7 +39,7 @@ def answers(device: str, label: str, **config) -> list[list[int]]:
 def layer_differences(device: str, dtype: torch.dtype, ids: list[int]) -> None:
     name = str(dtype).removeprefix("torch.")
     engine = LLMEngine(EngineConfig(dtype=name, device=device, kv_cache_bytes=256 << 20, cuda_graphs=False))
-    hf = gpu_check._hf_from_gguf(default_model_path(), dtype, device)
+    hf = gpu_engine._hf_from_gguf(default_model_path(), dtype, device)
     model, states, n = engine.loaded.model, [], len(ids)
     hooks = [layer.register_forward_hook(lambda m, i, o: states.append(o.detach().float())) for layer in model.layers]
     blocks = torch.arange(4, 4 + -(-n // 16), device=device)  # any free blocks of a fresh engine
