@@ -215,8 +215,9 @@ def check_engine_speed(device: str, sizes: Sizes, dtype_name: str) -> dict:
             result[label] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-2000:]}
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    if "error" in result["pdserve"] and "error" not in result.get("pdserve_eager", {"error": ""}):
-        result["pdserve"], result["pdserve_graphs_failed"] = result.pop("pdserve_eager"), result["pdserve"]
+    eager = result.get("pdserve_eager")
+    if "error" in result["pdserve"] and eager is not None and "error" not in eager:  # graphs failed: report eager
+        result["pdserve_graphs_failed"], result["pdserve"] = result["pdserve"], result.pop("pdserve_eager")
     try:
         hf = _hf_twin(loaded, dtype, device)
         result["hf_transformers"] = _hf_speed(hf, sizes, vocab, device, clock)

@@ -27,11 +27,12 @@ def _ipc_receiver(requests, replies) -> None:
 
 
 def _handoff_layout(quick: bool):
+    from engine.config import NAMED_SHAPES
     from engine.kv_cache import KVLayout
 
     if quick:
         return KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size_tokens=16, dtype="bfloat16")
-    return KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size_tokens=16, dtype="bfloat16")  # Llama-3-8B
+    return KVLayout.for_model(NAMED_SHAPES["llama-3-8b"], 16, torch.bfloat16)
 
 
 def _grpc_receiver(device: str, quick: bool, num_blocks: int, requests, replies) -> None:
@@ -112,9 +113,7 @@ def _grpc_handoffs(device: str, sizes: Sizes, rows: list[dict]) -> None:
 
 
 def _export_bytes(prompt_tokens: int) -> int:
-    from engine.config import NAMED_SHAPES
-
-    return NAMED_SHAPES["llama-3-8b"].kv_bytes_per_token(torch.bfloat16) * prompt_tokens
+    return _handoff_layout(quick=False).bytes_per_token() * prompt_tokens
 
 
 def check_kv_handoff(device: str, sizes: Sizes) -> dict:
