@@ -5,9 +5,15 @@
   (lm_head at batch 1: 3.2 -> 1.8 ms) and is bit-identical to `F.linear` in bf16.
 - fp32: the weight transposed (`[in, out]`, contiguous) and multiplied as `x @ weight_t`. For 3-15
   rows (decode steps) MKL takes a kernel for that layout that reads a model's weights 1.4-1.7x as fast
-  as `F.linear`'s (docs/benchmarks.md); from 16 rows on (prefill) both layouts run the same kernel,
-  bit-identical. Below 16 rows the sums' order differs from `F.linear`'s in the last bits, which
-  greedy decoding does not see (the HF comparisons in tests/ hold).
+  as `F.linear`'s on an AVX-512 core (docs/benchmarks.md); from 16 rows on (prefill) both layouts run
+  the same kernel, bit-identical. Below 16 rows the sums' order differs from `F.linear`'s in the last
+  bits, which greedy decoding does not see (the HF comparisons in tests/ hold).
+- fp32 on an AVX2-only core (no AVX-512): there MKL gains nothing from the transposed layout at 2-48
+  rows, while oneDNN's own blocked fp32 layout is 1.2-1.8x as fast (a model's linears at 8 rows: 70
+  against 125 ms; at 32: 146 against 181). Decode batches of 2 to `DECODE_PACKED_MAX_ROWS` - 1 rows
+  run on a second copy of the weight in that layout; one row (MKL's gemv is the faster there) and
+  prefill chunks of 64 rows or more keep the transposed weight, bit-identical to `F.linear`. The cost
+  is the second copy (+540 MB for SmolLM2-135M in fp32).
 
 `PDSERVE_DISABLE_PACKING=1` keeps plain `nn.Linear` for both.
 """
@@ -38,6 +44,19 @@ def transposing_supported(dtype: torch.dtype, device: torch.device | str) -> boo
     return dtype == torch.float32 and torch.device(device).type == "cpu" and os.environ.get(DISABLE_ENV) != "1"
 
 
+DECODE_PACKED_MAX_ROWS = 64  # from 64 rows on MKL on the transposed weight is as fast (measured to 256)
+
+
+def decode_packing_supported() -> bool:
+    """Whether fp32 decode batches get oneDNN-packed weights beside the transposed ones: on x86 cores
+    whose best ISA is AVX2 (measured there; on AVX-512 the transposed layout alone was the faster)."""
+    return (
+        torch.backends.cpu.get_cpu_capability() == "AVX2"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
 class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         super().__init__()
@@ -51,13 +70,20 @@ class PackedLinear(nn.Module):
 
 
 class TransposedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: Optional[bool] = None):
         super().__init__()
         self.out_features = weight.shape[0]
         self.register_buffer("weight_t", weight.detach().t().contiguous())  # in state_dict(), as `weight` was
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        if pack_for_decode is None:
+            pack_for_decode = decode_packing_supported()
+        # The batch-size hint 32: at 2-48 rows its layout was the fastest here (hint 1 was slower at >1 row).
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32) if pack_for_decode else None
+        self.register_buffer("packed_weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and 1 < x.shape[0] < DECODE_PACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

@@ -127,6 +127,23 @@ def test_fp32_cpu_models_use_transposed_linears_that_match_f_linear(monkeypatch)
     assert not any(isinstance(m, TransposedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules())
 
 
+def test_fp32_decode_batches_on_avx2_use_onednn_packed_weights_beside_the_transposed_ones():
+    from engine.cpu_packing import DECODE_PACKED_MAX_ROWS, TransposedLinear, decode_packing_supported
+
+    # Chosen by the CPU's ISA (measured: faster on AVX2, not on AVX-512); the layer works on either.
+    assert decode_packing_supported() == (torch.backends.cpu.get_cpu_capability() == "AVX2")
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    layer = TransposedLinear(weight, bias, pack_for_decode=True)
+    assert layer.packed_weight is not None and "packed_weight" not in layer.state_dict()
+    for rows in (2, 5, 16, DECODE_PACKED_MAX_ROWS - 1):  # decode batches: oneDNN's sums, to fp32 rounding
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    for rows in (DECODE_PACKED_MAX_ROWS, 300):  # prefill chunks: the transposed weight, F.linear's bits
+        x = torch.randn(rows, 64)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, bias))
+    assert TransposedLinear(weight, bias, pack_for_decode=False).packed_weight is None
+
+
 def test_loading_the_default_model_does_not_import_torch_dynamo():
     # Initialising parameters on the meta device imports torch._dynamo (a second of every worker's start);
     # the model is built without doing so, and nothing else on the load path needs it.

@@ -68,6 +68,8 @@ SHAPES = [  # num_heads, num_kv_heads, head_dim, block_size
     (9, 3, 64, 16),  # SmolLM2-135M
     (4, 4, 32, 4),  # no grouping, small blocks
     (8, 2, 128, 16),  # Llama-3-8B's grouping and head size
+    (10, 2, 40, 5),  # groups of 5 (3 + 2 heads at a time), a 40-lane head (16 + 16 + 8), odd blocks
+    (2, 1, 12, 16),  # a head size that is not a multiple of 8: the plain loops
 ]
 LENS = [1, 15, 16, 17, 300, 33]  # one token, both sides of a block boundary, a long one
 

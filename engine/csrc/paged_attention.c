@@ -50,8 +50,187 @@ static inline float bf16_to_float(uint16_t x) {
     return v.f;
 }
 
-#define DEFINE_KERNEL(NAME, ELEM, LOAD)                                                             \
-static int NAME##_sequence(const float *qb, const ELEM *k_cache, const ELEM *v_cache,              \
+/* ---- The AVX2 path (x86 with AVX2 and FMA; head_dim a multiple of 8) ------------------------------
+ * The plain loops above leave the work to the auto-vectorizer: a horizontal sum per q.k and the V
+ * accumulators in memory. On an AVX2 core they read the cache at ~7 GB/s, under half of the ~17 GB/s
+ * one core draws from memory, because they are bound by their own loads and stores. This path keeps
+ * the same three passes (scores, softmax, V) but walks K and V block by block (the next block is
+ * prefetched: the hardware cannot guess where the block table points), and shares every K and V row
+ * it loads among the (up to three at a time) query heads of its kv head:
+ *   scores: 4 tokens x 3 heads in 12 accumulator registers, reduced four at a time by hadd;
+ *   V:      16 output lanes x 3 heads in 6 registers over a block's tokens.
+ * bf16 rows are widened to fp32 once per block. The order of the sums differs from the plain loops,
+ * not the precision (fp32 throughout). */
+#define NOT_HANDLED (-100)
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Lane i (i < 4) of the result: the sum of v[i]'s eight lanes. */
+INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* A block's n rows of one kv head as fp32 rows `*stride` floats apart: in place for an fp32 cache,
+ * widened into `scratch` ([block_size, head_dim]) for bf16. */
+INLINE const float *rows_f32(const float *rows, int64_t n, int64_t row_size, int64_t head_dim,
+                             float *scratch, int64_t *stride) {
+    (void)n; (void)head_dim; (void)scratch;
+    *stride = row_size;
+    return rows;
+}
+INLINE const float *rows_bf16(const uint16_t *rows, int64_t n, int64_t row_size, int64_t head_dim,
+                              float *scratch, int64_t *stride) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            const __m128i half = _mm_loadu_si128((const __m128i *)(rows + j * row_size + d));
+            _mm256_storeu_ps(scratch + j * head_dim + d,
+                             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)));
+        }
+    *stride = head_dim;
+    return scratch;
+}
+
+INLINE void prefetch_block(const void *block, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)block + o, _MM_HINT_T0);
+}
+
+/* scores[g][t0 + j] = scale * q_g.k_j for HEADS query heads (q rows head_dim apart, scores rows `len`
+ * apart) and the block's n tokens (k_j = k + j * stride). */
+INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t n, int64_t head_dim,
+                         float scale, float *scores, int64_t len, const int heads) {
+    const __m128 s = _mm_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        const float *kj[4];
+        for (int j = 0; j < 4; j++) kj[j] = k + (j0 + j < n ? j0 + j : n - 1) * stride;  /* past n: unused */
+        __m256 acc[3][4];
+        for (int g = 0; g < 3; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            __m256 x[4];
+            for (int j = 0; j < 4; j++) x[j] = _mm256_loadu_ps(kj[j] + d);
+            for (int g = 0; g < heads; g++) {
+                const __m256 qv = _mm256_loadu_ps(q + g * head_dim + d);
+                for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(qv, x[j], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < heads; g++) {
+            float lane[4];
+            _mm_storeu_ps(lane, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), s));
+            memcpy(scores + g * len + j0, lane, sizeof(float) * (size_t)(n - j0 < 4 ? n - j0 : 4));
+        }
+    }
+}
+
+/* out_g[c..] += sum_j p_g[j] * v_j[c..] for HEADS query heads (outputs head_dim apart, p rows `len`
+ * apart) over the block's n tokens, 16 lanes (then 8) at a time. */
+INLINE void block_values(float *out, const float *p, int64_t len, const float *v, int64_t stride, int64_t n,
+                         int64_t head_dim, const int heads) {
+    int64_t c = 0;
+    for (; c + 16 <= head_dim; c += 16) {
+        __m256 a[3][2];
+        for (int g = 0; g < heads; g++)
+            for (int w = 0; w < 2; w++) a[g][w] = _mm256_loadu_ps(out + g * head_dim + c + 8 * w);
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 x0 = _mm256_loadu_ps(v + j * stride + c), x1 = _mm256_loadu_ps(v + j * stride + c + 8);
+            for (int g = 0; g < heads; g++) {
+                const __m256 b = _mm256_broadcast_ss(p + g * len + j);
+                a[g][0] = _mm256_fmadd_ps(b, x0, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(b, x1, a[g][1]);
+            }
+        }
+        for (int g = 0; g < heads; g++)
+            for (int w = 0; w < 2; w++) _mm256_storeu_ps(out + g * head_dim + c + 8 * w, a[g][w]);
+    }
+    for (; c < head_dim; c += 8) {
+        for (int g = 0; g < heads; g++) {
+            __m256 a = _mm256_loadu_ps(out + g * head_dim + c);
+            for (int64_t j = 0; j < n; j++)
+                a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * len + j), _mm256_loadu_ps(v + j * stride + c), a);
+            _mm256_storeu_ps(out + g * head_dim + c, a);
+        }
+    }
+}
+
+/* The heads of one kv head, three at a time, each call specialized for its count. */
+#define FOR_HEAD_GROUPS(FIRST, COUNT, CALL) do {                                                   \
+    for (int64_t g0_ = (FIRST); g0_ < (FIRST) + (COUNT); g0_ += 3) {                                \
+        const int64_t left_ = (FIRST) + (COUNT) - g0_, g = g0_;                                     \
+        if (left_ >= 3) { const int heads = 3; CALL; }                                              \
+        else if (left_ == 2) { const int heads = 2; CALL; }                                         \
+        else { const int heads = 1; CALL; }                                                         \
+    }                                                                                               \
+} while (0)
+
+#define DEFINE_SIMD_SEQUENCE(NAME, ELEM, ROWS)                                                     \
+static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table,   \
+                int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, \
+                int64_t block_size, float scale) {                                                  \
+    if (head_dim % 8 != 0 || head_dim > MAX_HEAD_DIM || len < 1) return NOT_HANDLED;               \
+    const int64_t group = num_heads / num_kv_heads, row_size = num_kv_heads * head_dim;            \
+    const int64_t block_bytes = block_size * row_size * (int64_t)sizeof(ELEM);                     \
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * len + block_size * head_dim)); \
+    if (!scores) return -2;                                                                         \
+    float *scratch = scores + num_heads * len;                                                      \
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
+        const ELEM *block = k_cache + table[t0 / block_size] * block_size * row_size;              \
+        if (t0 + block_size < len) prefetch_block(k_cache + table[t0 / block_size + 1] * block_size * row_size, block_bytes); \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
+            int64_t stride;                                                                         \
+            const float *k = ROWS(block + h * head_dim, n, row_size, head_dim, scratch, &stride);  \
+            FOR_HEAD_GROUPS(h * group, group, block_scores(qb + g * head_dim, k, stride, n, head_dim, \
+                                                           scale, scores + g * len + t0, len, heads)); \
+        }                                                                                           \
+    }                                                                                               \
+    if (len > block_size) prefetch_block(v_cache + table[0] * block_size * row_size, block_bytes);  \
+    for (int64_t g = 0; g < num_heads; g++) {                                                       \
+        float *sg = scores + g * len, top = -INFINITY, sum = 0.f;                                   \
+        _Pragma("omp simd reduction(max:top)")                                                      \
+        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;                          \
+        _Pragma("omp simd reduction(+:sum)")                                                        \
+        for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - top); sum += sg[t]; }   \
+        const float inv = 1.f / sum;                                                                \
+        _Pragma("omp simd")                                                                         \
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;                                             \
+    }                                                                                               \
+    memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));                                 \
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
+        const ELEM *block = v_cache + table[t0 / block_size] * block_size * row_size;              \
+        if (t0 + block_size < len) prefetch_block(v_cache + table[t0 / block_size + 1] * block_size * row_size, block_bytes); \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
+            int64_t stride;                                                                         \
+            const float *v = ROWS(block + h * head_dim, n, row_size, head_dim, scratch, &stride);  \
+            FOR_HEAD_GROUPS(h * group, group, block_values(out + g * head_dim, scores + g * len + t0, len, \
+                                                           v, stride, n, head_dim, heads));        \
+        }                                                                                           \
+    }                                                                                               \
+    free(scores);                                                                                   \
+    return 0;                                                                                       \
+}
+
+DEFINE_SIMD_SEQUENCE(simd_sequence_f32, float, rows_f32)
+DEFINE_SIMD_SEQUENCE(simd_sequence_bf16, uint16_t, rows_bf16)
+
+#else /* no AVX2: the plain loops serve every call */
+static int simd_sequence_f32(const float *qb, const float *k, const float *v, const int64_t *table,
+                             int64_t len, float *out, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale) {
+    (void)qb; (void)k; (void)v; (void)table; (void)len; (void)out; (void)nh; (void)nkv; (void)hd; (void)bs; (void)scale;
+    return NOT_HANDLED;
+}
+static int simd_sequence_bf16(const float *qb, const uint16_t *k, const uint16_t *v, const int64_t *table,
+                              int64_t len, float *out, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale) {
+    (void)qb; (void)k; (void)v; (void)table; (void)len; (void)out; (void)nh; (void)nkv; (void)hd; (void)bs; (void)scale;
+    return NOT_HANDLED;
+}
+#endif
+
+#define DEFINE_KERNEL(NAME, ELEM, LOAD, SIMD)                                                             \
+static int NAME##_generic(const float *qb, const ELEM *k_cache, const ELEM *v_cache,              \
          const int64_t *table, int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads,    \
          int64_t head_dim, int64_t block_size, float scale) {                                       \
     const int64_t group = num_heads / num_kv_heads;                                                 \
@@ -104,6 +283,16 @@ static int NAME##_sequence(const float *qb, const ELEM *k_cache, const ELEM *v_c
     return 0;                                                                                       \
 }                                                                                                   \
                                                                                                     \
+static int NAME##_sequence(const float *qb, const ELEM *k_cache, const ELEM *v_cache,              \
+         const int64_t *table, int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads,    \
+         int64_t head_dim, int64_t block_size, float scale) {                                       \
+    const int code = SIMD(qb, k_cache, v_cache, table, len, out, num_heads, num_kv_heads,           \
+                          head_dim, block_size, scale);                                             \
+    if (code != NOT_HANDLED) return code;                                                           \
+    return NAME##_generic(qb, k_cache, v_cache, table, len, out, num_heads, num_kv_heads,           \
+                          head_dim, block_size, scale);                                             \
+}                                                                                                   \
+                                                                                                    \
 int NAME(const float *q, const ELEM *k_cache, const ELEM *v_cache, const int64_t *block_tables,     \
          const int64_t *context_lens, float *out, int64_t batch, int64_t num_heads,                 \
          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,            \
@@ -120,5 +309,5 @@ int NAME(const float *q, const ELEM *k_cache, const ELEM *v_cache, const int64_t
 
 #define LOAD_BF16(x) bf16_to_float(x)
 #define LOAD_F32(x) (x)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, LOAD_BF16)
-DEFINE_KERNEL(paged_decode_attention_f32, float, LOAD_F32)
+DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, LOAD_BF16, simd_sequence_bf16)
+DEFINE_KERNEL(paged_decode_attention_f32, float, LOAD_F32, simd_sequence_f32)
