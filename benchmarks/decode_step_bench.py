@@ -1,8 +1,10 @@
-"""The decode step with and without the paged decode-attention kernel, in one process.
+"""The decode step with and without one engine feature, in one process.
 
 Fills a batch of sequences with random prompts of a fixed context length, then times engine steps
-(decode only) alternately with the kernel and with the torch path (gather + SDPA), and prints the
-median step of each, so both sides share the same machine state.
+(decode only) alternately with and without the feature, and prints the median step of each, so both
+sides share the same machine state. `--compare kernel` (the default): the paged decode-attention
+kernel against the torch path (gather + SDPA); `--compare packing`: fp32 decode batches on the
+oneDNN-packed weights (engine/cpu_packing.py, AVX2 machines) against the transposed ones alone.
 
     .venv/bin/python -m benchmarks.decode_step_bench [--threads 1] [--context 540] [--batches 1,8,16]
 """
@@ -21,10 +23,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rounds", type=int, default=4, help="alternations of the two paths")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per path per round")
+    parser.add_argument("--compare", choices=["kernel", "packing"], default="kernel")
     args = parser.parse_args()
 
     import torch
 
+    from engine.cpu_packing import TransposedLinear
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.paged_attention import load_kernel
     from engine.sampling_params import SamplingParams
@@ -35,7 +39,20 @@ def main() -> None:
     kernel = load_kernel()
     if kernel is None:
         raise SystemExit("the kernel is not available here (no C compiler?): nothing to compare")
-    paths = {"torch (gather + SDPA)": None, "paged kernel": kernel}
+    layers = [m for m in engine.loaded.model.modules() if isinstance(m, TransposedLinear)]
+    packed = [m.packed_weight for m in layers]
+    if args.compare == "packing" and not any(p is not None for p in packed):
+        raise SystemExit("no packed decode weights here (fp32 on an AVX2 CPU only): nothing to compare")
+
+    def use(on: bool) -> None:
+        if args.compare == "kernel":
+            engine.loaded.model.use_decode_kernel(kernel if on else None)
+            return
+        for layer, weight in zip(layers, packed):
+            layer.packed_weight = weight if on else None
+
+    before, after = ("torch (gather + SDPA)", "paged kernel") if args.compare == "kernel" else ("transposed", "packed")
+    paths = {before: False, after: True}
     generator = torch.Generator().manual_seed(0)
     max_tokens = 2 + args.rounds * len(paths) * args.steps
     print(f"threads {args.threads}, {args.dtype}, {args.context}-token contexts; median decode step:")
@@ -50,15 +67,15 @@ def main() -> None:
         samples = {name: [] for name in paths}
         for _ in range(args.rounds):
             for name, path in paths.items():
-                engine.loaded.model.use_decode_kernel(path)
+                use(path)
                 for _ in range(args.steps):
                     started = time.perf_counter()
                     engine.step()
                     samples[name].append(time.perf_counter() - started)
-        engine.loaded.model.use_decode_kernel(kernel)
+        use(True)
         medians = {name: sorted(values)[len(values) // 2] * 1e3 for name, values in samples.items()}
-        before, after = medians["torch (gather + SDPA)"], medians["paged kernel"]
-        print(f"  batch {batch:3d}: torch {before:7.1f} ms, kernel {after:7.1f} ms, {before / after:.2f}x")
+        print(f"  batch {batch:3d}: {before} {medians[before]:7.1f} ms, {after} {medians[after]:7.1f} ms, "
+              f"{medians[before] / medians[after]:.2f}x")
         for request_id in ids:
             engine.abort(request_id)
 

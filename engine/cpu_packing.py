@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 DISABLE_ENV = "PDSERVE_DISABLE_PACKING"
+log = logging.getLogger(__name__)
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -77,9 +79,7 @@ class TransposedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         if pack_for_decode is None:
             pack_for_decode = decode_packing_supported()
-        # The batch-size hint 32: at 2-48 rows its layout was the fastest here (hint 1 was slower at >1 row).
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32) if pack_for_decode else None
-        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("packed_weight", _packed_for_decode(weight) if pack_for_decode else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None and 1 < x.shape[0] < DECODE_PACKED_MAX_ROWS:
@@ -87,6 +87,15 @@ class TransposedLinear(nn.Module):
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
+
+
+def _packed_for_decode(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    # The batch-size hint 32: at 2-48 rows its layout was the fastest here (hint 1 was slower at >1 row).
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+    except RuntimeError as exc:  # a oneDNN build without this layout: the transposed weight serves alone
+        log.warning("fp32 decode weights stay unpacked: oneDNN could not pack a %s weight: %s", tuple(weight.shape), exc)
+        return None
 
 
 def pack_linears(model: nn.Module, layer=PackedLinear) -> int:

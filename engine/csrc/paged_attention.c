@@ -13,6 +13,9 @@
  * Sequences run in parallel over `num_threads` OpenMP threads. Linked against libgomp.so.1, the
  * kernel shares the OpenMP runtime torch has already loaded, so its threads are torch's threads and
  * the two never oversubscribe the cores (a Python thread pool did, and was no faster than torch).
+ *
+ * Where the compiler targets AVX2 with FMA, an intrinsics path (below) serves head sizes that are
+ * multiples of 8; the plain loops serve everything else and every other CPU.
  */
 #include <math.h>
 #include <stdint.h>
@@ -48,6 +51,20 @@ static inline float bf16_to_float(uint16_t x) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)x << 16;
     return v.f;
+}
+
+/* Each of `rows` rows of `len` scores becomes its softmax, in place. */
+static void softmax_rows(float *scores, int64_t rows, int64_t len) {
+    for (int64_t g = 0; g < rows; g++) {
+        float *sg = scores + g * len, top = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max:top)
+        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
+#pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - top); sum += sg[t]; }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+    }
 }
 
 /* ---- The AVX2 path (x86 with AVX2 and FMA; head_dim a multiple of 8) ------------------------------
@@ -187,16 +204,7 @@ static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const
         }                                                                                           \
     }                                                                                               \
     if (len > block_size) prefetch_block(v_cache + table[0] * block_size * row_size, block_bytes);  \
-    for (int64_t g = 0; g < num_heads; g++) {                                                       \
-        float *sg = scores + g * len, top = -INFINITY, sum = 0.f;                                   \
-        _Pragma("omp simd reduction(max:top)")                                                      \
-        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;                          \
-        _Pragma("omp simd reduction(+:sum)")                                                        \
-        for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - top); sum += sg[t]; }   \
-        const float inv = 1.f / sum;                                                                \
-        _Pragma("omp simd")                                                                         \
-        for (int64_t t = 0; t < len; t++) sg[t] *= inv;                                             \
-    }                                                                                               \
+    softmax_rows(scores, num_heads, len);                                                           \
     memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));                                 \
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
@@ -254,16 +262,7 @@ static int NAME##_generic(const float *qb, const ELEM *k_cache, const ELEM *v_ca
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
-    for (int64_t g = 0; g < num_heads; g++) {                                                       \
-        float *sg = scores + g * len, top = -INFINITY, sum = 0.f;                                   \
-        _Pragma("omp simd reduction(max:top)")                                                      \
-        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;                          \
-        _Pragma("omp simd reduction(+:sum)")                                                        \
-        for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - top); sum += sg[t]; }   \
-        const float inv = 1.f / sum;                                                                \
-        _Pragma("omp simd")                                                                         \
-        for (int64_t t = 0; t < len; t++) sg[t] *= inv;                                             \
-    }                                                                                               \
+    softmax_rows(scores, num_heads, len);                                                           \
     /* Pass 2: the probability-weighted sum of V rows, accumulated in place in `out`. */            \
     memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));                                 \
     for (int64_t t = 0; t < len; t++) {                                                             \
