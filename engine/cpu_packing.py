@@ -72,13 +72,12 @@ class PackedLinear(nn.Module):
 
 
 class TransposedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: Optional[bool] = None):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: bool = False):
+        """`pack_for_decode`: also hold the oneDNN-packed copy for decode batches (`decode_packing_supported()`)."""
         super().__init__()
         self.out_features = weight.shape[0]
         self.register_buffer("weight_t", weight.detach().t().contiguous())  # in state_dict(), as `weight` was
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        if pack_for_decode is None:
-            pack_for_decode = decode_packing_supported()
         self.register_buffer("packed_weight", _packed_for_decode(weight) if pack_for_decode else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +99,7 @@ def _packed_for_decode(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def pack_linears(model: nn.Module, layer=PackedLinear) -> int:
     """Replaces every `nn.Linear` of `model` (and its tied LM head, which then holds its own copy of the
-    embedding table) with `layer` (`PackedLinear` or `TransposedLinear`); returns how many."""
+    embedding table) with `layer(weight, bias)` (e.g. `PackedLinear`, `TransposedLinear`); returns how many."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -12,7 +12,8 @@ from typing import Iterable, Optional
 import torch
 
 from engine.config import NAMED_SHAPES, ModelConfig
-from engine.cpu_packing import TransposedLinear, pack_linears, packing_supported, transposing_supported
+from engine.cpu_packing import (TransposedLinear, decode_packing_supported, pack_linears, packing_supported,
+                                 transposing_supported)
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
 from engine.model import LlamaModel, rope_inv_freq
 from engine.paged_attention import decode_kernel_for
@@ -146,6 +147,7 @@ def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) ->
     if packing_supported(dtype, device):
         pack_linears(model)
     elif transposing_supported(dtype, device):
-        pack_linears(model, TransposedLinear)
+        pack_for_decode = decode_packing_supported()  # the CPU's ISA, asked once for every layer
+        pack_linears(model, lambda weight, bias: TransposedLinear(weight, bias, pack_for_decode))
     model.use_decode_kernel(decode_kernel_for(device))
     return model

@@ -184,41 +184,39 @@ INLINE void block_values(float *out, const float *p, int64_t len, const float *v
     }                                                                                               \
 } while (0)
 
+/* For each block of the sequence (t0: its first token, n: its tokens; the next one prefetched) and
+ * each kv head h of it: `rows`, that head's rows as fp32 `stride` floats apart, then CALL for every
+ * group of its query heads (g, heads). Uses the names of DEFINE_SIMD_SEQUENCE's body. */
+#define FOR_BLOCK_ROWS(ELEM, CACHE, ROWS, CALL) do {                                                       \
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
+        const ELEM *block = (CACHE) + table[t0 / block_size] * block_size * row_size;              \
+        if (t0 + block_size < len) prefetch_block((CACHE) + table[t0 / block_size + 1] * block_size * row_size, block_bytes); \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
+            int64_t stride;                                                                         \
+            const float *rows = ROWS(block + h * head_dim, n, row_size, head_dim, scratch, &stride); \
+            FOR_HEAD_GROUPS(h * group, group, CALL);                                                \
+        }                                                                                           \
+    }                                                                                               \
+} while (0)
+
 #define DEFINE_SIMD_SEQUENCE(NAME, ELEM, ROWS)                                                     \
 static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table,   \
                 int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, \
                 int64_t block_size, float scale) {                                                  \
-    if (head_dim % 8 != 0 || head_dim > MAX_HEAD_DIM || len < 1) return NOT_HANDLED;               \
+    if (head_dim % 8 != 0 || len < 1) return NOT_HANDLED;                                          \
     const int64_t group = num_heads / num_kv_heads, row_size = num_kv_heads * head_dim;            \
     const int64_t block_bytes = block_size * row_size * (int64_t)sizeof(ELEM);                     \
     float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * len + block_size * head_dim)); \
     if (!scores) return -2;                                                                         \
     float *scratch = scores + num_heads * len;                                                      \
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
-        const ELEM *block = k_cache + table[t0 / block_size] * block_size * row_size;              \
-        if (t0 + block_size < len) prefetch_block(k_cache + table[t0 / block_size + 1] * block_size * row_size, block_bytes); \
-        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
-            int64_t stride;                                                                         \
-            const float *k = ROWS(block + h * head_dim, n, row_size, head_dim, scratch, &stride);  \
-            FOR_HEAD_GROUPS(h * group, group, block_scores(qb + g * head_dim, k, stride, n, head_dim, \
-                                                           scale, scores + g * len + t0, len, heads)); \
-        }                                                                                           \
-    }                                                                                               \
+    FOR_BLOCK_ROWS(ELEM, k_cache, ROWS, block_scores(qb + g * head_dim, rows, stride, n, head_dim, scale, \
+                                               scores + g * len + t0, len, heads));                 \
     if (len > block_size) prefetch_block(v_cache + table[0] * block_size * row_size, block_bytes);  \
     softmax_rows(scores, num_heads, len);                                                           \
     memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));                                 \
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
-        const ELEM *block = v_cache + table[t0 / block_size] * block_size * row_size;              \
-        if (t0 + block_size < len) prefetch_block(v_cache + table[t0 / block_size + 1] * block_size * row_size, block_bytes); \
-        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
-            int64_t stride;                                                                         \
-            const float *v = ROWS(block + h * head_dim, n, row_size, head_dim, scratch, &stride);  \
-            FOR_HEAD_GROUPS(h * group, group, block_values(out + g * head_dim, scores + g * len + t0, len, \
-                                                           v, stride, n, head_dim, heads));        \
-        }                                                                                           \
-    }                                                                                               \
+    FOR_BLOCK_ROWS(ELEM, v_cache, ROWS, block_values(out + g * head_dim, scores + g * len + t0, len, rows, stride, \
+                                               n, head_dim, heads));                                \
     free(scores);                                                                                   \
     return 0;                                                                                       \
 }
@@ -227,16 +225,8 @@ DEFINE_SIMD_SEQUENCE(simd_sequence_f32, float, rows_f32)
 DEFINE_SIMD_SEQUENCE(simd_sequence_bf16, uint16_t, rows_bf16)
 
 #else /* no AVX2, or AVX-512: the plain loops serve every call */
-static int simd_sequence_f32(const float *qb, const float *k, const float *v, const int64_t *table,
-                             int64_t len, float *out, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale) {
-    (void)qb; (void)k; (void)v; (void)table; (void)len; (void)out; (void)nh; (void)nkv; (void)hd; (void)bs; (void)scale;
-    return NOT_HANDLED;
-}
-static int simd_sequence_bf16(const float *qb, const uint16_t *k, const uint16_t *v, const int64_t *table,
-                              int64_t len, float *out, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale) {
-    (void)qb; (void)k; (void)v; (void)table; (void)len; (void)out; (void)nh; (void)nkv; (void)hd; (void)bs; (void)scale;
-    return NOT_HANDLED;
-}
+#define simd_sequence_f32(...) NOT_HANDLED
+#define simd_sequence_bf16(...) NOT_HANDLED
 #endif
 
 #define DEFINE_KERNEL(NAME, ELEM, LOAD, SIMD)                                                             \
