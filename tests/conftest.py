@@ -35,11 +35,19 @@ def hf_smollm_fp32(default_gguf):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def harness():
-    """A local Ray cluster and a router event loop for one test module's pdserve systems."""
+@pytest.fixture(scope="session")
+def shared_harness():
+    """One local Ray cluster and router event loop for the session: starting Ray takes ~5 s, and 17 modules
+    serve systems."""
     from tests.serving_harness import Harness
 
     h = Harness()
     yield h
     h.close()
+
+
+@pytest.fixture(scope="module")
+def harness(shared_harness):
+    """The session's harness for one test module's pdserve systems; those still up when it ends are stopped."""
+    yield shared_harness
+    shared_harness.stop_systems()

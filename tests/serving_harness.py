@@ -43,7 +43,9 @@ class RunningSystem:
 
 
 class Harness:
-    """One Ray cluster and one router event loop for the whole test session; systems come and go."""
+    """One Ray cluster and one router event loop for the whole test session; systems come and go. A test
+    module that needs a cluster of its own shuts this one down (`ray.shutdown()`); the next `start` brings
+    it back."""
 
     def __init__(self, num_cpus: int = 8):
         self._num_cpus = num_cpus
@@ -51,6 +53,7 @@ class Harness:
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
         self._ray_started = False
+        self._running: list[RunningSystem] = []
 
     def start(self, **config) -> RunningSystem:
         import ray
@@ -62,7 +65,16 @@ class Harness:
         # fp32 unless told: the tests compare with HF transformers in fp32, whatever this CPU prefers; every
         # disaggregated request through the prefill pool unless told (tests of the local path ask for it)
         defaults = {"port": 0, "kv_cache_bytes": 64 << 20, "dtype": "float32", "pd_policy": "remote"}
-        return RunningSystem(self.loop, ServeConfig(**{**defaults, **config}))
+        system = RunningSystem(self.loop, ServeConfig(**{**defaults, **config}))
+        self._running.append(system)
+        return system
+
+    def stop_systems(self) -> None:
+        """Stops every system started here that is still up: what one test module leaves running must not
+        hold the cluster's CPUs (or memory) while the next one starts its own."""
+        for system in self._running:
+            system.stop()
+        self._running.clear()
 
     def close(self) -> None:
         import ray

@@ -32,6 +32,7 @@ BF16 = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64, block_size_tokens=16,
 
 @pytest.fixture(scope="module")
 def local_ray():
+    ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this module sizes its own
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=512 << 20,
              _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
     try:

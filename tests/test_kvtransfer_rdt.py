@@ -24,6 +24,7 @@ Worker = ray.remote(num_cpus=0.5, **actor_class_options())(KVEndWorker)
 
 @pytest.fixture(scope="module")
 def local_ray():
+    ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this module sizes its own
     ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=256 << 20,
              _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
     try:

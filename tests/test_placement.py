@@ -14,6 +14,7 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    ray.shutdown()  # the session's shared single-node cluster (tests/conftest.py), if it is up
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
                                                             "include_dashboard": False, "object_store_memory": 256 << 20})
     prefill_node = cluster.add_node(num_cpus=2, resources={"pdserve_prefill": 1}, node_ip_address="127.0.0.1",
