@@ -118,13 +118,19 @@ def rank(config: RoutingConfig, index: PrefixIndex, workers: Sequence[WorkerHand
     blocks = index.cached_blocks(hashes, (w.worker_id for w in workers)) if hashes else {}
     candidates = [Candidate(w, blocks.get(w.worker_id, 0) * w.info.block_size_tokens) for w in workers]
     if config.policy == "load":
-        return sorted(candidates, key=lambda c: (c.worker.queued_prompt_tokens, c.worker.in_flight,
+        return sorted(candidates, key=lambda c: (c.worker.queued_prompt_tokens, _streams(c.worker),
                                                   -(c.worker.kv_blocks_free or 0)))
 
     def cost(candidate: Candidate) -> tuple[float, int, int]:
         worker = candidate.worker
         load = worker.queued_prompt_tokens + (
-            prompt_tokens if role == "prefill" else config.decode_stream_tokens * worker.in_flight)
-        return (load - config.prefix_weight * candidate.cached_tokens, worker.in_flight, -(worker.kv_blocks_free or 0))
+            prompt_tokens if role == "prefill" else config.decode_stream_tokens * _streams(worker))
+        return (load - config.prefix_weight * candidate.cached_tokens, _streams(worker), -(worker.kv_blocks_free or 0))
 
     return sorted(candidates, key=cost)
+
+
+def _streams(worker: WorkerHandle) -> int:
+    """The requests a worker holds or is about to: those routed there, and the KV reservations on their way
+    (a burst of requests all ranks before the first reservation returns, and must not all land on one)."""
+    return worker.in_flight + worker.reserving
