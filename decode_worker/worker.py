@@ -31,9 +31,10 @@ from kvtransfer.registry import create_receiver
 from protocol.addresses import host_port
 from protocol.messages import WorkerInfo, WorkerLoad
 from protocol.token_stream import OUTPUT_STREAM_SERVICE, TokenChunk, encode_chunks, encode_hello
+from runtime.cores import CorePolicy
 from runtime.engine_loop import EngineLoop
 from runtime.parking import Parking, ParkingEndpoints
-from runtime.startup import describe, node_ip_address, start_engine
+from runtime.startup import describe, node_ip_address, share_cores, start_engine
 from runtime.telemetry import load_report
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class _Handoff:
 
 class DecodeWorker(ParkingEndpoints):
     def __init__(self, worker_id: str, config: EngineConfig, transport: str, kv_host: Optional[str] = "127.0.0.1",
-                 role: str = "decode"):
+                 role: str = "decode", cores: CorePolicy = CorePolicy()):
         self.worker_id = worker_id
         self.role = role
         self.engine = start_engine(config)
@@ -83,7 +84,8 @@ class DecodeWorker(ParkingEndpoints):
         self.parking = Parking()
         self.receiver.before_payload = lambda request_id: self.parking.hold("transfer", request_id)
         self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output,
-                               expecting_events=lambda: self.receiver.num_reserved_requests > 0)
+                               expecting_events=lambda: self.receiver.num_reserved_requests > 0,
+                               cores=share_cores(self.engine, cores))
 
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, self.role, self._kv_address())

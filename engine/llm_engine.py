@@ -11,10 +11,11 @@ The disaggregated workers reuse its parts (scheduler, model runner, sampler) rat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence as Seq, Union
+from typing import Callable, ContextManager, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -184,19 +185,22 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, compute: Callable[[bool], ContextManager] = lambda is_prefill: contextlib.nullcontext()) -> list[RequestOutput]:
+        """One scheduled batch. `compute(is_prefill)` wraps its forward pass and sampling (serving
+        workers size their threads there: runtime/cores.py)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         self.last_step_was_prefill = batch.is_prefill
-        if batch.is_prefill:
-            logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
-            sampled_seqs = self.scheduler.after_prefill(batch)
-        else:
-            logits = self.runner.decode(batch.seqs)
-            self.scheduler.after_decode(batch)
-            sampled_seqs = batch.seqs
-        tokens = sample(logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs])
+        with compute(batch.is_prefill):
+            if batch.is_prefill:
+                logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
+                sampled_seqs = self.scheduler.after_prefill(batch)
+            else:
+                logits = self.runner.decode(batch.seqs)
+                self.scheduler.after_decode(batch)
+                sampled_seqs = batch.seqs
+            tokens = sample(logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs])
         return [self._append_token(seq, token, batch) for seq, token in zip(sampled_seqs, tokens)]
 
     def _append_token(self, seq: Sequence, token: int, batch: ScheduledBatch) -> RequestOutput:

@@ -87,10 +87,12 @@ class PoolManager:
             self._next_index[role] += 1
             if role == "prefill":
                 actor = self._actor_class(PrefillWorker).options(**options).remote(
-                    worker_id, self.engine_config, self.config.transport, self.epoch, self.config.kv_timeout_s)
+                    worker_id, self.engine_config, self.config.transport, self.epoch, self.config.kv_timeout_s,
+                    self.config.core_policy)
             else:
                 actor = self._actor_class(DecodeWorker).options(**options).remote(
-                    worker_id, self.engine_config, self.config.transport, self.config.worker_bind_host(), role)
+                    worker_id, self.engine_config, self.config.transport, self.config.worker_bind_host(), role,
+                    self.config.core_policy)
             actors.append(actor)
         try:  # ready = engine loaded; on a cluster, the wait includes any nodes its autoscaler adds
             infos = await asyncio.wait_for(asyncio.gather(*(actor.info.remote() for actor in actors)),

@@ -58,6 +58,9 @@ class ServeConfig:
     routing: str = "prefix"  # which worker of a pool: prefix (cached prefix against load) or load (router/kv_index.py)
     prefix_weight: float = 1.0  # prefix routing: one cached prompt token offsets this many tokens of load
     decode_stream_tokens: int = 64  # prefix routing: a decode worker's running request weighs like this many tokens
+    # Which engine steps may borrow cores another worker of the node was granted and is not using
+    # (runtime/cores.py): prefill (steps computing prompt tokens), all, off.
+    lend_cores: str = "prefill"
     object_store_bytes: int = 512 << 20
     autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
     http_port: Optional[int] = None  # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
@@ -118,6 +121,7 @@ class ServeConfig:
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ValueError(f"--cpus-per-worker must be positive, got {self.cpus_per_worker}")
         self.pd  # checks the policy's fields
+        self.core_policy
         self.routing_config
         if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
             raise ValueError(f"--decode-interleave-tokens must be >= 1, got {self.decode_interleave_tokens}")
@@ -148,6 +152,12 @@ class ServeConfig:
         from engine.default_model import resolve_model_path
 
         return self.model if self.model.startswith("dummy:") else resolve_model_path(self.model).stem
+
+    @property
+    def core_policy(self):
+        from runtime.cores import CorePolicy  # torch-free
+
+        return CorePolicy(self.lend_cores)
 
     def engine_config(self):
         from engine.config import EngineConfig  # torch-free: the router builds it

@@ -17,9 +17,10 @@ from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.registry import create_sender
 from protocol.messages import PrefillResult, WorkerInfo, WorkerLoad
+from runtime.cores import CorePolicy
 from runtime.engine_loop import EngineLoop
 from runtime.parking import Parking, ParkingEndpoints
-from runtime.startup import describe, start_engine
+from runtime.startup import describe, share_cores, start_engine
 from runtime.telemetry import load_report
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ class _Prefilling:
 
 
 class PrefillWorker(ParkingEndpoints):
-    def __init__(self, worker_id: str, config: EngineConfig, transport: str, epoch: int, kv_lease_s: float = 30.0):
+    def __init__(self, worker_id: str, config: EngineConfig, transport: str, epoch: int, kv_lease_s: float = 30.0,
+                 cores: CorePolicy = CorePolicy()):
         self.worker_id = worker_id
         self.engine = start_engine(config)
         self.kv_lease_s = kv_lease_s
@@ -44,7 +46,8 @@ class PrefillWorker(ParkingEndpoints):
         self.sender.between_header_and_payload = lambda request_id: self.parking.hold("transfer", request_id)
         self.engine.allocator.track_events()  # its hash events travel to the router with each result
         self.loop = EngineLoop(self.engine, hooks=(self._poll_sender,), on_output=self._on_output,
-                               expecting_events=lambda: self.sender.ledger.num_held_requests > 0)
+                               expecting_events=lambda: self.sender.ledger.num_held_requests > 0,
+                               cores=share_cores(self.engine, cores))
 
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, "prefill", None)

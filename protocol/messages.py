@@ -62,6 +62,8 @@ class WorkerLoad:
     max_batch_size_seen: int
     decode_steps: int = 0  # steps that decoded only (no prefill) since start, and their total time
     decode_steps_s: float = 0.0
+    borrowed_core_steps: int = 0  # engine steps run on cores borrowed from idle workers (runtime/cores.py)
+    lent_core_wait_s: float = 0.0  # time this worker waited for a lent core to come back
     rss_bytes: int = 0  # the worker process's resident memory
     gpus: tuple[GpuStats, ...] = ()
     gpu_note: str = ""  # why `gpus` is empty ("no GPU (...)")

@@ -120,6 +120,8 @@ class _PoolCollector:
             ("kv_blocks_total", "KV-cache blocks"),
             ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
             ("rss_bytes", "Resident memory of the worker process"),
+            ("borrowed_core_steps", "Engine steps the worker ran on cores borrowed from idle workers of its node, since start"),
+            ("lent_core_wait_seconds", "Time the worker waited for its lent cores to come back, since start"),
             ("gpu_available", "1 if the worker sees a GPU through NVML, else 0 (see pdserve_worker_gpu_info)"))}
         gpu_info = GaugeMetricFamily("pdserve_worker_gpu_info", "Per worker: its GPU, or why it has none", labels=["worker", "gpu", "name", "note"])
         gpu_memory = GaugeMetricFamily("pdserve_gpu_memory_used_bytes", "GPU memory in use", labels=["worker", "gpu"])
@@ -132,7 +134,8 @@ class _PoolCollector:
             values = {"running_requests": load.running_requests, "waiting_requests": load.waiting_requests,
                       "kv_blocks_free": load.kv_blocks_free, "kv_blocks_total": load.kv_blocks_total,
                       "kv_cache_usage_ratio": 1 - load.kv_blocks_free / load.kv_blocks_total if load.kv_blocks_total else 0.0,
-                      "rss_bytes": load.rss_bytes, "gpu_available": 1.0 if load.gpus else 0.0}
+                      "rss_bytes": load.rss_bytes, "borrowed_core_steps": load.borrowed_core_steps,
+                      "lent_core_wait_seconds": load.lent_core_wait_s, "gpu_available": 1.0 if load.gpus else 0.0}
             for name, value in values.items():
                 per_worker[name].add_metric(labels, value)
             if not load.gpus:

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Optional
 
 from engine.llm_engine import LLMEngine, RequestOutput
+from runtime.cores import CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,14 @@ _IDLE_WAIT_S = 0.05  # with nothing to run, how long to sleep before polling hoo
 class EngineLoop:
     def __init__(self, engine: LLMEngine, hooks: tuple[Callable[[], None], ...] = (),
                  on_output: Optional[Callable[[RequestOutput], Any]] = None,
-                 expecting_events: Callable[[], bool] = lambda: False, busy_wait_s: float = 0.002):
+                 expecting_events: Callable[[], bool] = lambda: False, busy_wait_s: float = 0.002,
+                 cores: Optional[CoreShare] = None):
         """`hooks` run on the loop thread before each step (transport polls); `on_output` turns each
         output into what is published; while `expecting_events()` (a transfer under way) the loop polls
-        its hooks every `busy_wait_s` instead of sleeping."""
+        its hooks every `busy_wait_s` instead of sleeping. `cores`: this worker's share of the node's
+        cores (its home cores held while it has work, idle ones borrowed per step)."""
         self.engine = engine
+        self.cores = cores
         self._hooks = hooks
         self._on_output = on_output
         self._busy_wait_s = busy_wait_s  # sleep between polls while hooks expect events (transfers)
@@ -98,6 +102,8 @@ class EngineLoop:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self.cores is not None and not self._thread.is_alive():
+            self.cores.close()
 
     # -- loop thread ---------------------------------------------------------------------------
 
@@ -110,9 +116,13 @@ class EngineLoop:
                 except Exception:  # a broken hook must not kill every request on this worker
                     log.exception("engine loop hook %s failed", getattr(hook, "__name__", hook))
             if self.engine.has_unfinished():
+                if self.cores is not None:
+                    self.cores.busy()
                 self._step()
             self._flush_channel()
             if not self.engine.has_unfinished():
+                if self.cores is not None:
+                    self.cores.idle()
                 self._wake.wait(self._busy_wait_s if self.expecting_events() else _IDLE_WAIT_S)
                 self._wake.clear()
 
@@ -141,7 +151,7 @@ class EngineLoop:
         self.max_batch_size_seen = max(self.max_batch_size_seen, running)
         started = time.monotonic()
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(self.cores.step) if self.cores is not None else self.engine.step()
         except Exception as error:
             log.exception("engine step failed; failing the requests in it")
             for request_id in [s.request_id for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)]:

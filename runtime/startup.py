@@ -14,6 +14,7 @@ import torch
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.weights import resolve_device
 from protocol.messages import WorkerInfo
+from runtime.cores import CorePolicy, CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,18 @@ def start_engine(config: EngineConfig) -> LLMEngine:
              "attention: %s", config.model, config.device, engine.layout.dtype, config.dtype, torch.backends.cpu.get_cpu_capability(),
              threads, engine.allocator.num_blocks, engine.allocator.num_blocks * config.block_size_tokens, "paged kernel" if kernel is not None else "torch (gather + SDPA)")
     return engine
+
+
+def share_cores(engine: LLMEngine, policy: CorePolicy) -> Optional[CoreShare]:
+    """This worker's part in lending idle cores between the node's workers (runtime/cores.py); None on a
+    GPU or with lending off."""
+    if policy.lend == "off" or torch.device(engine.config.device).type != "cpu":
+        return None
+    try:
+        return CoreShare(policy, engine.config.num_threads or torch.get_num_threads(), torch.set_num_threads)
+    except OSError as error:  # no shared directory to agree in: compute on the home threads only
+        log.warning("cores are not lent on this node: %s", error)
+        return None
 
 
 def describe(engine: LLMEngine, worker_id: str, role: str, kv_address: Optional[str]) -> WorkerInfo:

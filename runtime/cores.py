@@ -1,0 +1,245 @@
+"""Lending idle cores between the workers of one node.
+
+Each worker computes on the threads Ray granted it (its *home* cores). When another worker on the same
+node has nothing to compute, its cores sit idle: in a 1 prefill + 1 decode system on two cores, the
+decode worker prefills a conversation's later turn on one core while the prefill worker's core waits
+for a prompt. `CoreShare` lets a worker borrow such cores for one engine step at a time, and guarantees
+that the threads of all workers never exceed the node's cores (two torch processes each spinning two
+threads on two cores slow decode 10-20x, DESIGN.md).
+
+The agreement is kept in lock files, one per core, in a directory every worker of the node opens
+(`/dev/shm`, so nothing outlives a reboot; a process that dies drops its locks with it):
+
+- `homes.json` (edited under `registry.lock`) gives each worker process its home cores: the least used
+  ones when it starts. Workers granted a fraction of a CPU share a home core, as they share it anyway.
+- While a worker has work (unfinished requests) it holds a shared lock on each home core, from the
+  first step of a busy spell to the moment it goes idle.
+- A borrower takes an exclusive lock, without waiting, on another worker's home core that nobody holds,
+  for the length of one engine step, and runs that step on its home threads plus the borrowed ones.
+  Only cores granted to a worker are lent: the node's other cores are Ray's to give to other tasks.
+- An owner that becomes busy while its core is lent waits for the borrower's step to end. Meanwhile it
+  holds the core's `want` lock, which a borrower checks before taking the core again, so the owner waits
+  at most one step. A borrower that stopped (SIGSTOP, a debugger) cannot hold an owner for longer than
+  `owner_wait_s`: the owner then runs anyway, and logs it.
+
+Lock calls are a few microseconds; a step is tens of milliseconds at least.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("off", "prefill", "all")
+
+
+@dataclass(frozen=True)
+class CorePolicy:
+    """`lend`: which steps may borrow idle cores: `prefill` (steps that compute prompt tokens: the long,
+    compute-bound ones), `all` (decode steps too), `off`. `directory`: where the node's workers keep
+    their locks (None: `/dev/shm/pdserve-cores-<uid>`)."""
+
+    lend: str = "prefill"
+    directory: Optional[str] = None
+    owner_wait_s: float = 2.0
+    poll_s: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.lend not in POLICIES:
+            raise ValueError(f"--lend-cores must be one of {', '.join(POLICIES)}, got {self.lend!r}")
+
+    @property
+    def path(self) -> Path:
+        if self.directory is not None:
+            return Path(self.directory)
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        return base / f"pdserve-cores-{os.getuid()}"
+
+
+def node_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class CoreShare:
+    """One worker's side of the agreement. Used from its engine thread only: torch's thread count is
+    the calling thread's."""
+
+    def __init__(self, policy: CorePolicy, home_threads: int, set_threads: Callable[[int], None],
+                 num_cores: Optional[int] = None):
+        """`set_threads`: torch.set_num_threads (this module stays torch-free: the router validates the
+        policy)."""
+        self.policy = policy
+        self._set_threads = set_threads
+        self.home_threads = home_threads
+        self.num_cores = num_cores or node_cores()
+        self.directory = policy.path
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._key = f"{os.getpid()}-{id(self)}"
+        self.home = self._register()
+        self._core_fds = [self._open(f"core-{i}") for i in range(self.num_cores)]
+        self._want_fds = [self._open(f"want-{i}") for i in range(self.num_cores)]
+        self._holding_home = False
+        self._registry_stamp: Optional[int] = None
+        self._others_homes: frozenset[int] = frozenset()
+        self.borrowed_steps = 0  # steps that ran on borrowed cores, and the cores they borrowed
+        self.borrowed_core_steps = 0
+        self.owner_waits_s = 0.0  # time spent waiting for a borrower to hand a home core back
+
+    def _open(self, name: str) -> int:
+        return os.open(self.directory / name, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def _register(self) -> tuple[int, ...]:
+        """This worker's home cores: the least used among live workers' (a dead one's are free again)."""
+        lock = self._open("registry.lock")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            registry_path = self.directory / "homes.json"
+            try:
+                homes = json.loads(registry_path.read_text())
+            except (OSError, ValueError):
+                homes = {}
+            homes = {key: cores for key, cores in homes.items() if _alive(int(key.split("-")[0]))}
+            use = [0] * self.num_cores
+            for cores in homes.values():
+                for core in cores:
+                    if core < self.num_cores:
+                        use[core] += 1
+            count = min(self.home_threads, self.num_cores)
+            chosen = tuple(sorted(sorted(range(self.num_cores), key=lambda core: (use[core], core))[:count]))
+            homes[self._key] = list(chosen)
+            temporary = registry_path.with_suffix(f".{self._key}")
+            temporary.write_text(json.dumps(homes))
+            os.replace(temporary, registry_path)
+            return chosen
+        finally:
+            os.close(lock)  # closing drops the lock
+
+    def close(self) -> None:
+        """Gives the home cores back (a process that just dies gives them back too: its locks go with it,
+        and the next registration drops its entry)."""
+        lock = self._open("registry.lock")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            registry_path = self.directory / "homes.json"
+            with contextlib.suppress(OSError, ValueError):
+                homes = json.loads(registry_path.read_text())
+                homes.pop(self._key, None)
+                temporary = registry_path.with_suffix(f".{self._key}")
+                temporary.write_text(json.dumps(homes))
+                os.replace(temporary, registry_path)
+        finally:
+            os.close(lock)
+        for fd in self._core_fds + self._want_fds:
+            os.close(fd)
+        self._core_fds = self._want_fds = []
+
+    # -- a busy spell --------------------------------------------------------------------------
+
+    def busy(self) -> None:
+        """Holds the home cores for as long as this worker has work; waits (at most `owner_wait_s`) for a
+        borrower's step to end if one is lent."""
+        if self._holding_home or self.policy.lend == "off":
+            return
+        started = time.monotonic()
+        waiting = [core for core in self.home if not _try_lock(self._core_fds[core], fcntl.LOCK_SH)]
+        if waiting:
+            for core in waiting:
+                fcntl.flock(self._want_fds[core], fcntl.LOCK_SH)
+            try:
+                while waiting and time.monotonic() - started < self.policy.owner_wait_s:
+                    time.sleep(self.policy.poll_s)
+                    waiting = [core for core in waiting if not _try_lock(self._core_fds[core], fcntl.LOCK_SH)]
+            finally:
+                for core in self.home:
+                    fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
+            self.owner_waits_s += time.monotonic() - started
+            if waiting:
+                log.warning("home core(s) %s still lent after %.1f s: computing anyway", waiting, self.policy.owner_wait_s)
+        self._holding_home = True
+
+    def idle(self) -> None:
+        """Nothing left to compute: the home cores may be lent."""
+        if not self._holding_home:
+            return
+        for core in self.home:
+            fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
+        self._holding_home = False
+
+    # -- one step ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self, is_prefill: bool) -> Iterator[int]:
+        """Runs one engine step on the home threads plus any idle cores the policy lets it borrow; yields
+        the thread count."""
+        borrowed = self._borrow() if self.policy.lend == "all" or (self.policy.lend == "prefill" and is_prefill) else []
+        threads = self.home_threads + len(borrowed)
+        if borrowed:
+            self._set_threads(threads)
+            self.borrowed_steps += 1
+            self.borrowed_core_steps += len(borrowed)
+        try:
+            yield threads
+        finally:
+            if borrowed:
+                self._set_threads(self.home_threads)
+                for core in borrowed:
+                    fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
+
+    def _lendable(self) -> frozenset[int]:
+        """The other live workers' home cores (re-read when the registry changed)."""
+        registry_path = self.directory / "homes.json"
+        try:
+            stamp = registry_path.stat().st_mtime_ns
+        except OSError:
+            return frozenset()
+        if stamp != self._registry_stamp:
+            try:
+                homes = json.loads(registry_path.read_text())
+            except (OSError, ValueError):
+                return frozenset()
+            self._registry_stamp = stamp
+            self._others_homes = frozenset(core for key, cores in homes.items() if key != self._key
+                                           and _alive(int(key.split("-")[0])) for core in cores
+                                           if core < self.num_cores) - frozenset(self.home)
+        return self._others_homes
+
+    def _borrow(self) -> list[int]:
+        borrowed = []
+        for core in sorted(self._lendable()):
+            if not _try_lock(self._want_fds[core], fcntl.LOCK_EX):
+                continue  # its owner is waiting for it
+            fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
+            if _try_lock(self._core_fds[core], fcntl.LOCK_EX):
+                borrowed.append(core)
+        return borrowed
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True

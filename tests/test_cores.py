@@ -1,0 +1,137 @@
+"""Lending idle cores between a node's workers (runtime/cores.py). Two `CoreShare`s in one process hold
+their locks through separate open files, so they contend exactly as two worker processes do."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from runtime.cores import CorePolicy, CoreShare
+
+
+class Threads:
+    """Stands in for torch.set_num_threads: what each share asked for, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, count):
+        self.calls.append(count)
+
+
+@pytest.fixture
+def node(tmp_path):
+    shares = []
+
+    def share(lend="prefill", home_threads=1, num_cores=2, **policy):
+        threads = Threads()
+        core_share = CoreShare(CorePolicy(lend, str(tmp_path), **policy), home_threads, threads, num_cores)
+        core_share.threads = threads
+        shares.append(core_share)
+        return core_share
+
+    yield share
+    for core_share in shares:
+        core_share.close()
+
+
+def test_workers_get_the_least_used_cores_as_homes(node):
+    a, b, c = node(), node(), node()
+    assert (a.home, b.home, c.home) == ((0,), (1,), (0,))
+    a.close()
+    d = node(home_threads=2)
+    assert d.home == (0, 1)
+
+
+def test_a_dead_workers_home_is_free_again(node, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "homes.json").write_text(json.dumps({f"{int(dead.stdout)}-1": [0]}))
+    assert node().home == (0,)
+
+
+def test_a_prefill_step_borrows_an_idle_workers_core_and_gives_it_back(node):
+    a, b = node(), node()
+    a.busy()
+    with a.step(is_prefill=True) as threads:
+        assert threads == 2
+        with b.step(is_prefill=True) as b_threads:  # the core is lent: b cannot borrow a's
+            assert b_threads == 1
+    assert a.threads.calls == [2, 1]
+    assert (a.borrowed_steps, a.borrowed_core_steps) == (1, 1)
+    with a.step(is_prefill=False) as threads:  # decode steps keep their home threads under "prefill"
+        assert threads == 1
+
+
+def test_all_lends_to_decode_steps_and_off_to_none(node):
+    a, _ = node(lend="all"), node()
+    with a.step(is_prefill=False) as threads:
+        assert threads == 2
+    c, _ = node(lend="off"), node()
+    with c.step(is_prefill=True) as threads:
+        assert threads == 1
+
+
+def test_a_busy_worker_lends_nothing(node):
+    a, b = node(), node()
+    b.busy()
+    with a.step(is_prefill=True) as threads:
+        assert threads == 1
+    b.idle()
+    with a.step(is_prefill=True) as threads:
+        assert threads == 2
+
+
+def test_cores_no_worker_was_granted_are_never_borrowed(node):
+    alone = node(num_cores=4)
+    with alone.step(is_prefill=True) as threads:
+        assert threads == 1
+
+
+def test_an_owner_waits_for_the_borrowed_step_then_the_core_is_not_lent_again(node):
+    a, b = node(), node()
+    became_busy = threading.Event()
+
+    def owner():
+        b.busy()
+        became_busy.set()
+
+    with a.step(is_prefill=True) as threads:
+        assert threads == 2
+        waiting = threading.Thread(target=owner)
+        waiting.start()
+        time.sleep(0.1)
+        assert not became_busy.is_set()  # the step still runs on b's core
+    assert became_busy.wait(5)
+    waiting.join()
+    assert b.owner_waits_s >= 0.1
+    with a.step(is_prefill=True) as threads:
+        assert threads == 1
+
+
+def test_an_owner_wanting_its_core_back_stops_the_next_borrow(node):
+    a, b = node(), node()
+    with a.step(is_prefill=True):
+        waiting = threading.Thread(target=b.busy)
+        waiting.start()
+        time.sleep(0.05)
+        assert a._borrow() == []  # b's want lock is held: the next step must not take the core again
+    waiting.join()
+
+
+def test_a_borrower_that_stopped_holds_an_owner_no_longer_than_its_wait(node, caplog):
+    a, b = node(), node(owner_wait_s=0.2)
+    with a.step(is_prefill=True):
+        started = time.monotonic()
+        b.busy()
+        assert 0.2 <= time.monotonic() - started < 2
+    assert "still lent" in caplog.text
+
+
+def test_the_policy_is_checked():
+    with pytest.raises(ValueError, match="--lend-cores"):
+        CorePolicy("sometimes")
+    assert str(CorePolicy().path).endswith(f"pdserve-cores-{os.getuid()}")
