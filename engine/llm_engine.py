@@ -185,14 +185,15 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def step(self, compute: Callable[[bool], ContextManager] = lambda is_prefill: contextlib.nullcontext()) -> list[RequestOutput]:
-        """One scheduled batch. `compute(is_prefill)` wraps its forward pass and sampling (serving
-        workers size their threads there: runtime/cores.py)."""
+    def step(self, compute: Callable[[ScheduledBatch], ContextManager] = lambda batch: contextlib.nullcontext()
+             ) -> list[RequestOutput]:
+        """One scheduled batch. `compute(batch)` wraps its forward pass and sampling (serving workers size
+        their threads there: runtime/cores.py)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         self.last_step_was_prefill = batch.is_prefill
-        with compute(batch.is_prefill):
+        with compute(batch):
             if batch.is_prefill:
                 logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
                 sampled_seqs = self.scheduler.after_prefill(batch)

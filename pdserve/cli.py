@@ -95,9 +95,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="prefix routing: one cached prompt token offsets this many prompt tokens of queue")
     p.add_argument("--decode-stream-tokens", type=int, default=64,
                    help="prefix routing: a decode worker's running request weighs like this many queued prompt tokens")
-    p.add_argument("--lend-cores", default="prefill", choices=["prefill", "all", "off"],
+    p.add_argument("--lend-cores", default="all", choices=["all", "prefill", "off"],
                    help="which engine steps may borrow the cores of a worker on the same node that has nothing to "
-                        "compute: prefill (steps computing prompt tokens), all (decode steps too), off")
+                        "compute: all, prefill (only steps computing prompt tokens), off")
     p.add_argument("--decode-interleave-tokens", type=int, default=256,
                    help="prompt tokens a decode/colocated worker prefills between two decode steps (0: prefill first)")
     p.add_argument("--autoscale", action="store_true", help="grow/shrink each pool from queue time, TTFT and KV use")

@@ -59,8 +59,9 @@ class ServeConfig:
     prefix_weight: float = 1.0  # prefix routing: one cached prompt token offsets this many tokens of load
     decode_stream_tokens: int = 64  # prefix routing: a decode worker's running request weighs like this many tokens
     # Which engine steps may borrow cores another worker of the node was granted and is not using
-    # (runtime/cores.py): prefill (steps computing prompt tokens), all, off.
-    lend_cores: str = "prefill"
+    # (runtime/cores.py): all, prefill (only steps computing prompt tokens), off.
+    lend_cores: str = "all"
+    core_dir: Optional[str] = None  # where the node's workers agree on cores; None: /dev/shm/pdserve-cores-<uid>
     object_store_bytes: int = 512 << 20
     autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
     http_port: Optional[int] = None  # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
@@ -157,7 +158,7 @@ class ServeConfig:
     def core_policy(self):
         from runtime.cores import CorePolicy  # torch-free
 
-        return CorePolicy(self.lend_cores)
+        return CorePolicy(self.lend_cores, self.core_dir)
 
     def engine_config(self):
         from engine.config import EngineConfig  # torch-free: the router builds it

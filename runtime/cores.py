@@ -16,7 +16,9 @@ The agreement is kept in lock files, one per core, in a directory every worker o
   first step of a busy spell to the moment it goes idle.
 - A borrower takes an exclusive lock, without waiting, on another worker's home core that nobody holds,
   for the length of one engine step, and runs that step on its home threads plus the borrowed ones.
-  Only cores granted to a worker are lent: the node's other cores are Ray's to give to other tasks.
+  Only cores granted to a worker are lent: the node's other cores are Ray's to give to other tasks. A
+  worker whose home core is shared never borrows: the workers sharing it may already run more threads
+  than cores.
 - An owner that becomes busy while its core is lent waits for the borrower's step to end. Meanwhile it
   holds the core's `want` lock, which a borrower checks before taking the core again, so the owner waits
   at most one step. A borrower that stopped (SIGSTOP, a debugger) cannot hold an owner for longer than
@@ -36,22 +38,27 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("off", "prefill", "all")
+_REGISTRY_REFRESH_S = 1.0
 
 
 @dataclass(frozen=True)
 class CorePolicy:
-    """`lend`: which steps may borrow idle cores: `prefill` (steps that compute prompt tokens: the long,
-    compute-bound ones), `all` (decode steps too), `off`. `directory`: where the node's workers keep
+    """`lend`: which steps may borrow idle cores: `all` (the default: decode steps too, measured faster in
+    docs/benchmarks.md), `prefill` (only steps that compute prompt tokens), `off`. `directory`: where the node's workers keep
     their locks (None: `/dev/shm/pdserve-cores-<uid>`)."""
 
-    lend: str = "prefill"
+    lend: str = "all"
     directory: Optional[str] = None
-    owner_wait_s: float = 2.0
+    # A step computing more tokens than this never borrows: its owner would wait for all of it (a whole
+    # prompt on a prefill worker is seconds on a CPU, while the decode worker lending its core has a
+    # stream's next token to compute). Decode steps and interleaved prefill chunks (256) stay under it.
+    max_borrow_tokens: int = 512
+    owner_wait_s: float = 5.0
     poll_s: float = 0.001
 
     def __post_init__(self) -> None:
@@ -92,8 +99,11 @@ class CoreShare:
         self._core_fds = [self._open(f"core-{i}") for i in range(self.num_cores)]
         self._want_fds = [self._open(f"want-{i}") for i in range(self.num_cores)]
         self._holding_home = False
+        self._missing: list[int] = []  # home cores still lent when it stopped waiting for them
         self._registry_stamp: Optional[int] = None
         self._others_homes: frozenset[int] = frozenset()
+        self._home_shared = False
+        self._registry_read_s = 0.0
         self.borrowed_steps = 0  # steps that ran on borrowed cores, and the cores they borrowed
         self.borrowed_core_steps = 0
         self.owner_waits_s = 0.0  # time spent waiting for a borrower to hand a home core back
@@ -103,15 +113,7 @@ class CoreShare:
 
     def _register(self) -> tuple[int, ...]:
         """This worker's home cores: the least used among live workers' (a dead one's are free again)."""
-        lock = self._open("registry.lock")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            registry_path = self.directory / "homes.json"
-            try:
-                homes = json.loads(registry_path.read_text())
-            except (OSError, ValueError):
-                homes = {}
-            homes = {key: cores for key, cores in homes.items() if _alive(int(key.split("-")[0]))}
+        def claim(homes: dict) -> tuple[int, ...]:
             use = [0] * self.num_cores
             for cores in homes.values():
                 for core in cores:
@@ -120,55 +122,69 @@ class CoreShare:
             count = min(self.home_threads, self.num_cores)
             chosen = tuple(sorted(sorted(range(self.num_cores), key=lambda core: (use[core], core))[:count]))
             homes[self._key] = list(chosen)
-            temporary = registry_path.with_suffix(f".{self._key}")
-            temporary.write_text(json.dumps(homes))
-            os.replace(temporary, registry_path)
             return chosen
-        finally:
-            os.close(lock)  # closing drops the lock
+
+        return self._edit_registry(claim)
 
     def close(self) -> None:
         """Gives the home cores back (a process that just dies gives them back too: its locks go with it,
         and the next registration drops its entry)."""
+        self._edit_registry(lambda homes: homes.pop(self._key, None))
+        for fd in self._core_fds + self._want_fds:
+            os.close(fd)
+        self._core_fds = self._want_fds = []
+
+    def _edit_registry(self, edit: Callable[[dict], Any]) -> Any:
+        """Runs `edit` on the live workers' entries under the registry's lock and writes them back."""
         lock = self._open("registry.lock")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             registry_path = self.directory / "homes.json"
-            with contextlib.suppress(OSError, ValueError):
+            try:
                 homes = json.loads(registry_path.read_text())
-                homes.pop(self._key, None)
-                temporary = registry_path.with_suffix(f".{self._key}")
-                temporary.write_text(json.dumps(homes))
-                os.replace(temporary, registry_path)
+            except (OSError, ValueError):
+                homes = {}
+            homes = _live(homes)
+            result = edit(homes)
+            temporary = registry_path.with_suffix(f".{self._key}")
+            temporary.write_text(json.dumps(homes))
+            os.replace(temporary, registry_path)
+            return result
         finally:
-            os.close(lock)
-        for fd in self._core_fds + self._want_fds:
-            os.close(fd)
-        self._core_fds = self._want_fds = []
+            os.close(lock)  # closing drops the lock
 
     # -- a busy spell --------------------------------------------------------------------------
 
     def busy(self) -> None:
         """Holds the home cores for as long as this worker has work; waits (at most `owner_wait_s`) for a
         borrower's step to end if one is lent."""
-        if self._holding_home or self.policy.lend == "off":
+        if self._holding_home:
+            if self._missing:  # gave up waiting earlier: take each back as soon as it is free
+                self._missing = self._take_home(self._missing)
             return
         started = time.monotonic()
-        waiting = [core for core in self.home if not _try_lock(self._core_fds[core], fcntl.LOCK_SH)]
+        waiting = self._take_home(self.home)
         if waiting:
-            for core in waiting:
-                fcntl.flock(self._want_fds[core], fcntl.LOCK_SH)
-            try:
-                while waiting and time.monotonic() - started < self.policy.owner_wait_s:
-                    time.sleep(self.policy.poll_s)
-                    waiting = [core for core in waiting if not _try_lock(self._core_fds[core], fcntl.LOCK_SH)]
-            finally:
-                for core in self.home:
-                    fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
+            while waiting and time.monotonic() - started < self.policy.owner_wait_s:
+                time.sleep(self.policy.poll_s)
+                waiting = self._take_home(waiting)
             self.owner_waits_s += time.monotonic() - started
-            if waiting:
-                log.warning("home core(s) %s still lent after %.1f s: computing anyway", waiting, self.policy.owner_wait_s)
+        if waiting:  # their want locks stay held, so no one borrows those cores again meanwhile
+            log.warning("home core(s) %s still lent after %.1f s: computing anyway", waiting, self.policy.owner_wait_s)
+        self._missing = waiting
         self._holding_home = True
+
+    def _take_home(self, cores) -> list[int]:
+        """Takes each home core it can; holds the `want` lock of the others (a borrower checks it before
+        taking one again), and returns those."""
+        missing = []
+        for core in cores:
+            if _try_lock(self._core_fds[core], fcntl.LOCK_SH):
+                fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
+            else:
+                fcntl.flock(self._want_fds[core], fcntl.LOCK_SH)
+                missing.append(core)
+        return missing
 
     def idle(self) -> None:
         """Nothing left to compute: the home cores may be lent."""
@@ -176,15 +192,18 @@ class CoreShare:
             return
         for core in self.home:
             fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
+            fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
+        self._missing = []
         self._holding_home = False
 
     # -- one step ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self, is_prefill: bool) -> Iterator[int]:
-        """Runs one engine step on the home threads plus any idle cores the policy lets it borrow; yields
-        the thread count."""
-        borrowed = self._borrow() if self.policy.lend == "all" or (self.policy.lend == "prefill" and is_prefill) else []
+    def step(self, is_prefill: bool, num_tokens: int) -> Iterator[int]:
+        """Runs one engine step (computing `num_tokens` tokens) on the home threads plus any idle cores the
+        policy lets it borrow; yields the thread count."""
+        lends = self.policy.lend == "all" or (self.policy.lend == "prefill" and is_prefill)
+        borrowed = self._borrow() if lends and num_tokens <= self.policy.max_borrow_tokens else []
         threads = self.home_threads + len(borrowed)
         if borrowed:
             self._set_threads(threads)
@@ -199,26 +218,35 @@ class CoreShare:
                     fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
 
     def _lendable(self) -> frozenset[int]:
-        """The other live workers' home cores (re-read when the registry changed)."""
+        """The other live workers' home cores (re-read when the registry changed, and every second: a
+        worker that died leaves its entry until the next registration)."""
         registry_path = self.directory / "homes.json"
         try:
             stamp = registry_path.stat().st_mtime_ns
         except OSError:
             return frozenset()
-        if stamp != self._registry_stamp:
+        now = time.monotonic()
+        if stamp != self._registry_stamp or now - self._registry_read_s > _REGISTRY_REFRESH_S:
+            self._registry_read_s = now
             try:
                 homes = json.loads(registry_path.read_text())
             except (OSError, ValueError):
                 return frozenset()
             self._registry_stamp = stamp
-            self._others_homes = frozenset(core for key, cores in homes.items() if key != self._key
-                                           and _alive(int(key.split("-")[0])) for core in cores
-                                           if core < self.num_cores) - frozenset(self.home)
+            others = frozenset(core for key, cores in _live(homes).items() if key != self._key
+                               for core in cores if core < self.num_cores)
+            self._home_shared = bool(others & frozenset(self.home))
+            self._others_homes = others - frozenset(self.home)
         return self._others_homes
 
     def _borrow(self) -> list[int]:
+        lendable = self._lendable()
+        if self._home_shared:
+            # Its home core is another worker's too, and that one may be computing on it: threads beyond
+            # the cores already. Borrowing would add one more.
+            return []
         borrowed = []
-        for core in sorted(self._lendable()):
+        for core in sorted(lendable):
             if not _try_lock(self._want_fds[core], fcntl.LOCK_EX):
                 continue  # its owner is waiting for it
             fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
@@ -233,6 +261,11 @@ def _try_lock(fd: int, kind: int) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+def _live(homes: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The registry's entries whose process is alive (a key is "<pid>-<share>")."""
+    return {key: cores for key, cores in homes.items() if _alive(int(key.split("-")[0]))}
 
 
 def _alive(pid: int) -> bool:

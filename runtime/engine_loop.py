@@ -151,7 +151,10 @@ class EngineLoop:
         self.max_batch_size_seen = max(self.max_batch_size_seen, running)
         started = time.monotonic()
         try:
-            outputs = self.engine.step(self.cores.step) if self.cores is not None else self.engine.step()
+            if self.cores is None:
+                outputs = self.engine.step()
+            else:
+                outputs = self.engine.step(lambda batch: self.cores.step(batch.is_prefill, sum(batch.num_new_tokens)))
         except Exception as error:
             log.exception("engine step failed; failing the requests in it")
             for request_id in [s.request_id for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)]:

@@ -36,12 +36,12 @@ def hf_smollm_fp32(default_gguf):
 
 
 @pytest.fixture(scope="session")
-def shared_harness():
+def shared_harness(tmp_path_factory):
     """One local Ray cluster and router event loop for the session: starting Ray takes ~5 s, and 17 modules
     serve systems."""
     from tests.serving_harness import Harness
 
-    h = Harness()
+    h = Harness(str(tmp_path_factory.mktemp("cores")))
     yield h
     h.close()
 

@@ -47,8 +47,9 @@ class Harness:
     module that needs a cluster of its own shuts this one down (`ray.shutdown()`); the next `start` brings
     it back."""
 
-    def __init__(self, num_cpus: int = 8):
+    def __init__(self, core_dir: str, num_cpus: int = 8):
         self._num_cpus = num_cpus
+        self._core_dir = core_dir
         self.loop = new_event_loop()  # the loop the router serves on
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
@@ -64,7 +65,10 @@ class Harness:
             self._ray_started = True
         # fp32 unless told: the tests compare with HF transformers in fp32, whatever this CPU prefers; every
         # disaggregated request through the prefill pool unless told (tests of the local path ask for it)
-        defaults = {"port": 0, "kv_cache_bytes": 64 << 20, "dtype": "float32", "pd_policy": "remote"}
+        # and the test run's own directory for lending cores, so a pdserve serving beside the tests on this
+        # machine does not change which cores its workers lend
+        defaults = {"port": 0, "kv_cache_bytes": 64 << 20, "dtype": "float32", "pd_policy": "remote",
+                    "core_dir": self._core_dir}
         system = RunningSystem(self.loop, ServeConfig(**{**defaults, **config}))
         self._running.append(system)
         return system

@@ -11,8 +11,8 @@ from tests.serving_harness import Harness
 
 
 @pytest.fixture(scope="module")
-def system():
-    harness = Harness(num_cpus=os.cpu_count())  # the node `pdserve serve` starts here
+def system(tmp_path_factory):
+    harness = Harness(str(tmp_path_factory.mktemp("cores")), num_cpus=os.cpu_count())  # the node `pdserve serve` starts here
     running = harness.start(num_prefill=1, num_decode=1)
     yield running
     running.stop()

@@ -4,6 +4,7 @@ to the single-process engine either way."""
 
 from __future__ import annotations
 
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -100,3 +101,31 @@ def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker_with_identical_
         short = client.generate(client.request("Hi there", max_tokens=4, temperature=0, ignore_eos=True))
     assert not short.prefill_worker and _decisions(system)[("local", "short_prompt")] >= 1
     assert system.wait_idle().requests_in_flight == 0
+
+
+def _borrowed_core_steps(system) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{system.system.http_port}/metrics", timeout=30) as reply:
+        families = text_string_to_metric_families(reply.read().decode())
+        return {sample.labels["worker"]: sample.value for family in families
+                if family.name == "pdserve_worker_borrowed_core_steps" for sample in family.samples}
+
+
+def test_a_worker_prefilling_while_the_other_idles_borrows_its_core_with_identical_output(system, smollm_fp32):
+    from engine.llm_engine import EngineConfig, LLMEngine
+
+    # One core each (0.5 CPU granted), on a node of two cores: each worker's prefill steps may run on both.
+    long_prompt = "Rivers shaped where people settled, traded and fought. " * 6
+    engine = LLMEngine(EngineConfig(dtype="float32", num_threads=1), loaded=smollm_fp32)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [list(r.token_ids) for r in engine.generate(["Hi there", long_prompt], params)]
+    assert system.wait_idle().requests_in_flight == 0
+    before = _borrowed_core_steps(system)
+    with system.client() as client:
+        short = client.generate(client.request("Hi there", max_tokens=6, temperature=0, ignore_eos=True))
+        remote = client.generate(client.request(long_prompt, max_tokens=6, temperature=0, ignore_eos=True))
+    after = _borrowed_core_steps(system)
+    assert not short.prefill_worker and remote.prefill_worker == "prefill-0"
+    assert [list(short.token_ids), list(remote.token_ids)] == expected
+    assert after["decode-0"] > before.get("decode-0", 0) and after["prefill-0"] > before.get("prefill-0", 0), after
