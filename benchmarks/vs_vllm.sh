@@ -46,6 +46,7 @@ for system in "$@"; do
     server=$!
     for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
     measure "$name" "http://127.0.0.1:$PORT"
+    curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT/$name.metrics.txt" || true
     kill -INT "$server"; wait "$server" || true
     trap - EXIT
     sleep 3

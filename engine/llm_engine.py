@@ -187,20 +187,26 @@ class LLMEngine:
 
     def step(self, compute: Callable[[ScheduledBatch], ContextManager] = lambda batch: contextlib.nullcontext()
              ) -> list[RequestOutput]:
-        """One scheduled batch. `compute(batch)` wraps its forward pass and sampling (serving workers size
-        their threads there: runtime/cores.py)."""
+        """One scheduled batch. `compute(batch)` wraps its forward pass and sampling, and may give a
+        callable the model runs between layers (serving workers size their threads there:
+        runtime/cores.py)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         self.last_step_was_prefill = batch.is_prefill
-        with compute(batch):
-            if batch.is_prefill:
-                logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
-                sampled_seqs = self.scheduler.after_prefill(batch)
-            else:
-                logits = self.runner.decode(batch.seqs)
-                self.scheduler.after_decode(batch)
-                sampled_seqs = batch.seqs
+        model = self.loaded.model
+        with compute(batch) as between_layers:
+            model.between_layers = between_layers
+            try:
+                if batch.is_prefill:
+                    logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
+                    sampled_seqs = self.scheduler.after_prefill(batch)
+                else:
+                    logits = self.runner.decode(batch.seqs)
+                    self.scheduler.after_decode(batch)
+                    sampled_seqs = batch.seqs
+            finally:
+                model.between_layers = None
             tokens = sample(logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs])
         return [self._append_token(seq, token, batch) for seq, token in zip(sampled_seqs, tokens)]
 

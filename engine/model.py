@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -263,6 +263,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
+        # Called after each layer while set (a serving worker handing borrowed cores back mid-step,
+        # runtime/cores.py); torch ops read the thread count afresh each time.
+        self.between_layers: Optional[Callable[[], None]] = None
 
     def use_decode_kernel(self, kernel: Optional["PagedDecodeAttention"]) -> None:
         """Decode attention reads the paged cache in place through `kernel` (None: gather + SDPA)."""
@@ -282,6 +285,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x = layer(x, cos, sin, k_cache, v_cache, batch)
+            if self.between_layers is not None:
+                self.between_layers()
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
         x = self.norm(x)

@@ -19,9 +19,9 @@ The agreement is kept in lock files, one per core, in a directory every worker o
   Only cores granted to a worker are lent: the node's other cores are Ray's to give to other tasks. A
   worker whose home core is shared never borrows: the workers sharing it may already run more threads
   than cores.
-- An owner that becomes busy while its core is lent waits for the borrower's step to end. Meanwhile it
-  holds the core's `want` lock, which a borrower checks before taking the core again, so the owner waits
-  at most one step. A borrower that stopped (SIGSTOP, a debugger) cannot hold an owner for longer than
+- An owner that becomes busy while its core is lent takes the core's `want` lock and polls for the
+  core. The borrower checks `want` between the model's layers and hands the core back there, so the
+  owner waits one layer (milliseconds), and checks it before borrowing again. A borrower that stopped (SIGSTOP, a debugger) cannot hold an owner for longer than
   `owner_wait_s`: the owner then runs anyway, and logs it.
 
 Lock calls are a few microseconds; a step is tens of milliseconds at least.
@@ -54,10 +54,6 @@ class CorePolicy:
 
     lend: str = "all"
     directory: Optional[str] = None
-    # A step computing more tokens than this never borrows: its owner would wait for all of it (a whole
-    # prompt on a prefill worker is seconds on a CPU, while the decode worker lending its core has a
-    # stream's next token to compute). Decode steps and interleaved prefill chunks (256) stay under it.
-    max_borrow_tokens: int = 512
     owner_wait_s: float = 5.0
     poll_s: float = 0.001
 
@@ -104,8 +100,9 @@ class CoreShare:
         self._others_homes: frozenset[int] = frozenset()
         self._home_shared = False
         self._registry_read_s = 0.0
-        self.borrowed_steps = 0  # steps that ran on borrowed cores, and the cores they borrowed
-        self.borrowed_core_steps = 0
+        self.threads = home_threads  # what the engine thread computes with now
+        self._borrowed: list[int] = []  # cores lent to the step under way
+        self.borrowed_steps = 0  # steps that ran on borrowed cores
         self.owner_waits_s = 0.0  # time spent waiting for a borrower to hand a home core back
 
     def _open(self, name: str) -> int:
@@ -199,23 +196,38 @@ class CoreShare:
     # -- one step ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self, is_prefill: bool, num_tokens: int) -> Iterator[int]:
-        """Runs one engine step (computing `num_tokens` tokens) on the home threads plus any idle cores the
-        policy lets it borrow; yields the thread count."""
+    def step(self, is_prefill: bool) -> Iterator[Optional[Callable[[], None]]]:
+        """Runs one engine step on the home threads plus any idle cores the policy lets it borrow. Yields
+        what the model should call between layers (None when nothing was borrowed): it hands a borrowed
+        core back at once when its owner wants it, so an owner waits one layer, not a whole step."""
         lends = self.policy.lend == "all" or (self.policy.lend == "prefill" and is_prefill)
-        borrowed = self._borrow() if lends and num_tokens <= self.policy.max_borrow_tokens else []
-        threads = self.home_threads + len(borrowed)
-        if borrowed:
-            self._set_threads(threads)
+        self._borrowed = self._borrow() if lends else []
+        if self._borrowed:
+            self._use_threads(self.home_threads + len(self._borrowed))
             self.borrowed_steps += 1
-            self.borrowed_core_steps += len(borrowed)
         try:
-            yield threads
+            yield self._hand_back_wanted if self._borrowed else None
         finally:
-            if borrowed:
-                self._set_threads(self.home_threads)
-                for core in borrowed:
+            if self._borrowed:
+                self._use_threads(self.home_threads)
+                for core in self._borrowed:
                     fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
+                self._borrowed = []
+
+    def _hand_back_wanted(self) -> None:
+        wanted = [core for core in self._borrowed if not _try_lock(self._want_fds[core], fcntl.LOCK_EX)]
+        for core in self._borrowed:
+            if core not in wanted:
+                fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
+        if wanted:
+            self._borrowed = [core for core in self._borrowed if core not in wanted]
+            self._use_threads(self.home_threads + len(self._borrowed))  # fewer threads before the core is free
+            for core in wanted:
+                fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
+
+    def _use_threads(self, count: int) -> None:
+        self.threads = count
+        self._set_threads(count)
 
     def _lendable(self) -> frozenset[int]:
         """The other live workers' home cores (re-read when the registry changed, and every second: a

@@ -154,7 +154,7 @@ class EngineLoop:
             if self.cores is None:
                 outputs = self.engine.step()
             else:
-                outputs = self.engine.step(lambda batch: self.cores.step(batch.is_prefill, sum(batch.num_new_tokens)))
+                outputs = self.engine.step(lambda batch: self.cores.step(batch.is_prefill))
         except Exception as error:
             log.exception("engine step failed; failing the requests in it")
             for request_id in [s.request_id for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)]:

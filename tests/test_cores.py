@@ -30,7 +30,7 @@ def node(tmp_path):
     def share(lend="prefill", home_threads=1, num_cores=2, **policy):
         threads = Threads()
         core_share = CoreShare(CorePolicy(lend, str(tmp_path), **policy), home_threads, threads, num_cores)
-        core_share.threads = threads
+        core_share.calls = threads.calls
         shares.append(core_share)
         return core_share
 
@@ -56,42 +56,42 @@ def test_a_dead_workers_home_is_free_again(node, tmp_path):
 def test_a_prefill_step_borrows_an_idle_workers_core_and_gives_it_back(node):
     a, b = node(), node()
     a.busy()
-    with a.step(True, 16) as threads:
-        assert threads == 2
-        with b.step(True, 16) as b_threads:  # the core is lent: b cannot borrow a's
-            assert b_threads == 1
-    assert a.threads.calls == [2, 1]
-    assert (a.borrowed_steps, a.borrowed_core_steps) == (1, 1)
-    with a.step(False, 4) as threads:  # decode steps keep their home threads under "prefill"
-        assert threads == 1
+    with a.step(is_prefill=True) as between_layers:
+        assert a.threads == 2 and between_layers is not None
+        with b.step(is_prefill=True) as nothing:  # the core is lent: b cannot borrow a's
+            assert b.threads == 1 and nothing is None
+    assert a.calls == [2, 1] and a.threads == 1
+    assert a.borrowed_steps == 1
+    with a.step(is_prefill=False):  # decode steps keep their home threads under "prefill"
+        assert a.threads == 1
 
 
 def test_all_lends_to_decode_steps_and_off_to_none(node):
     a, _ = node(lend="all"), node()
-    with a.step(False, 4) as threads:
-        assert threads == 2
+    with a.step(is_prefill=False):
+        assert a.threads == 2
     c, _ = node(lend="off"), node()
-    with c.step(True, 16) as threads:
-        assert threads == 1
+    with c.step(is_prefill=True):
+        assert c.threads == 1
 
 
 def test_a_busy_worker_lends_nothing(node):
     a, b = node(), node()
     b.busy()
-    with a.step(True, 16) as threads:
-        assert threads == 1
+    with a.step(is_prefill=True):
+        assert a.threads == 1
     b.idle()
-    with a.step(True, 16) as threads:
-        assert threads == 2
+    with a.step(is_prefill=True):
+        assert a.threads == 2
 
 
 def test_cores_no_worker_was_granted_are_never_borrowed(node):
     alone = node(num_cores=4)
-    with alone.step(True, 16) as threads:
-        assert threads == 1
+    with alone.step(is_prefill=True):
+        assert alone.threads == 1
 
 
-def test_an_owner_waits_for_the_borrowed_step_then_the_core_is_not_lent_again(node):
+def test_an_owner_gets_its_core_back_at_the_borrowers_next_layer_and_it_is_not_lent_again(node):
     a, b = node(), node()
     became_busy = threading.Event()
 
@@ -99,64 +99,57 @@ def test_an_owner_waits_for_the_borrowed_step_then_the_core_is_not_lent_again(no
         b.busy()
         became_busy.set()
 
-    with a.step(True, 16) as threads:
-        assert threads == 2
+    with a.step(is_prefill=True) as between_layers:
+        assert a.threads == 2
         waiting = threading.Thread(target=owner)
         waiting.start()
         time.sleep(0.1)
-        assert not became_busy.is_set()  # the step still runs on b's core
-    assert became_busy.wait(5)
-    waiting.join()
+        assert not became_busy.is_set()  # a layer still runs on b's core
+        between_layers()  # the next layer boundary: a drops to its home thread, then frees the core
+        assert a.calls == [2, 1] and a.threads == 1
+        assert became_busy.wait(5)
+        waiting.join()
+        between_layers()  # nothing left to hand back
+    assert a.calls == [2, 1] and a.threads == 1  # nothing left to give back at the end
     assert b.owner_waits_s >= 0.1
-    with a.step(True, 16) as threads:
-        assert threads == 1
+    with a.step(is_prefill=True):
+        assert a.threads == 1
 
 
-def test_an_owner_wanting_its_core_back_stops_the_next_borrow(node):
-    a, b = node(), node()
-    with a.step(True, 16):
-        waiting = threading.Thread(target=b.busy)
-        waiting.start()
-        time.sleep(0.05)
-        assert a._borrow() == []  # b's want lock is held: the next step must not take the core again
-    waiting.join()
+def test_a_layer_boundary_keeps_a_core_nobody_wants(node):
+    a, _ = node(), node()
+    with a.step(is_prefill=True) as between_layers:
+        between_layers()
+        assert a.threads == 2
 
 
 def test_a_borrower_that_stopped_holds_an_owner_no_longer_than_its_wait_and_gets_no_more(node, caplog):
     a, b = node(), node(owner_wait_s=0.2)
-    with a.step(True, 16):
+    with a.step(is_prefill=True):  # never reaches a layer boundary: stopped
         started = time.monotonic()
         b.busy()
         assert 0.2 <= time.monotonic() - started < 2
         assert "still lent" in caplog.text
-    with a.step(True, 16) as threads:  # b computes on its core without its lock: a must not take it again
-        assert threads == 1
+    with a.step(is_prefill=True):  # b computes on its core without its lock: a must not take it again
+        assert a.threads == 1
     b.busy()  # the next step takes it back
     b.idle()
-    with a.step(True, 16) as threads:
-        assert threads == 2
+    with a.step(is_prefill=True):
+        assert a.threads == 2
 
 
-def test_a_step_too_long_to_make_its_lender_wait_does_not_borrow(node):
-    a, _ = node(max_borrow_tokens=512), node()
-    with a.step(True, 513) as threads:
-        assert threads == 1
-    with a.step(True, 512) as threads:
-        assert threads == 2
+def test_a_worker_sharing_its_home_core_never_borrows_but_lends(node):
+    a, b, c = node(), node(), node()  # a and c share core 0
+    with a.step(is_prefill=True):
+        assert a.threads == 1  # c may be computing on core 0 already
+    with b.step(is_prefill=True):
+        assert b.threads == 2  # a and c idle: core 0 is free
+    c.busy()
+    with b.step(is_prefill=True):
+        assert b.threads == 1
 
 
 def test_the_policy_is_checked():
     with pytest.raises(ValueError, match="--lend-cores"):
         CorePolicy("sometimes")
     assert str(CorePolicy().path).endswith(f"pdserve-cores-{os.getuid()}")
-
-
-def test_a_worker_sharing_its_home_core_never_borrows_but_lends(node):
-    a, b, c = node(), node(), node()  # a and c share core 0
-    with a.step(True, 16) as threads:
-        assert threads == 1  # c may be computing on core 0 already
-    with b.step(True, 16) as threads:
-        assert threads == 2  # a and c idle: core 0 is free
-    c.busy()
-    with b.step(True, 16) as threads:
-        assert threads == 1
