@@ -205,9 +205,21 @@ def init_ray(config: ServeConfig) -> None:
         return
     if config.address == "local":
         workers = config.num_decode + (config.num_prefill if config.mode == "disaggregated" else 0)
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(workers * config.worker_cpus + 0.999)),
-                 include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=config.object_store_bytes,
-                 log_to_driver=False, configure_logging=False)
+        local = dict(address="local", num_cpus=max(os.cpu_count() or 1, int(workers * config.worker_cpus + 0.999)),
+                     include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=config.object_store_bytes,
+                     log_to_driver=False, configure_logging=False)
+        try:
+            ray.init(**local)
+        except Exception as error:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(error) or os.environ["RAY_preallocate_plasma_memory"] == "0":
+                raise
+            # The raylet gives its object store 10 s to open its socket, and preallocating the store's
+            # pages can take longer where memory pages in slowly (seen: 9.3 s for 512 MB on this VM).
+            log.warning("Ray's local node did not start (%s): starting it again without preallocating the "
+                        "object store", error)
+            ray.shutdown()
+            os.environ["RAY_preallocate_plasma_memory"] = "0"
+            ray.init(**local)
     else:
         ray.init(address=config.address, log_to_driver=False, configure_logging=False)
 
