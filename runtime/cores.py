@@ -3,7 +3,7 @@
 Each worker computes on the threads Ray granted it (its *home* cores). When another worker on the same
 node has nothing to compute, its cores sit idle: in a 1 prefill + 1 decode system on two cores, the
 decode worker prefills a conversation's later turn on one core while the prefill worker's core waits
-for a prompt. `CoreShare` lets a worker borrow such cores for one engine step at a time, and guarantees
+for a prompt. `CoreShare` lets a worker borrow such cores for (at most) one engine step at a time, and guarantees
 that the threads of all workers never exceed the node's cores (two torch processes each spinning two
 threads on two cores slow decode 10-20x, DESIGN.md).
 
@@ -21,8 +21,9 @@ The agreement is kept in lock files, one per core, in a directory every worker o
   than cores.
 - An owner that becomes busy while its core is lent takes the core's `want` lock and polls for the
   core. The borrower checks `want` between the model's layers and hands the core back there, so the
-  owner waits one layer (milliseconds), and checks it before borrowing again. A borrower that stopped (SIGSTOP, a debugger) cannot hold an owner for longer than
-  `owner_wait_s`: the owner then runs anyway, and logs it.
+  owner waits one layer (milliseconds); it checks `want` before borrowing again too. A borrower that
+  stopped (SIGSTOP, a debugger) cannot hold an owner for longer than `owner_wait_s`: the owner then
+  runs anyway, logs it, and keeps its `want` lock until it has the core back.
 
 Lock calls are a few microseconds; a step is tens of milliseconds at least.
 """
@@ -49,8 +50,8 @@ _REGISTRY_REFRESH_S = 1.0
 @dataclass(frozen=True)
 class CorePolicy:
     """`lend`: which steps may borrow idle cores: `all` (the default: decode steps too, measured faster in
-    docs/benchmarks.md), `prefill` (only steps that compute prompt tokens), `off`. `directory`: where the node's workers keep
-    their locks (None: `/dev/shm/pdserve-cores-<uid>`)."""
+    docs/benchmarks.md), `prefill` (only steps that compute prompt tokens), `off`. `directory`: where
+    the node's workers keep their locks (None: `/dev/shm/pdserve-cores-<uid>`)."""
 
     lend: str = "all"
     directory: Optional[str] = None
@@ -153,8 +154,8 @@ class CoreShare:
     # -- a busy spell --------------------------------------------------------------------------
 
     def busy(self) -> None:
-        """Holds the home cores for as long as this worker has work; waits (at most `owner_wait_s`) for a
-        borrower's step to end if one is lent."""
+        """Holds the home cores for as long as this worker has work; if one is lent, waits (at most
+        `owner_wait_s`) for the borrower to hand it back at its next layer boundary."""
         if self._holding_home:
             if self._missing:  # gave up waiting earlier: take each back as soon as it is free
                 self._missing = self._take_home(self._missing)
