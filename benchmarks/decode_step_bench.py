@@ -4,7 +4,9 @@ Fills a batch of sequences with random prompts of a fixed context length, then t
 (decode only) alternately with and without the feature, and prints the median step of each, so both
 sides share the same machine state. `--compare kernel` (the default): the paged decode-attention
 kernel against the torch path (gather + SDPA); `--compare packing`: fp32 decode batches on the
-oneDNN-packed weights (engine/cpu_packing.py, AVX2 machines) against the transposed ones alone.
+oneDNN-packed weights (engine/cpu_packing.py, AVX2 machines) against the transposed ones alone;
+`--compare mapped` (fp32): the transposed weights memory-mapped from the disk cache, as workers serve
+them, against copies of them in the process's own memory.
 
     .venv/bin/python -m benchmarks.decode_step_bench [--threads 1] [--context 540] [--batches 1,8,16]
 """
@@ -23,7 +25,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rounds", type=int, default=4, help="alternations of the two paths")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per path per round")
-    parser.add_argument("--compare", choices=["kernel", "packing"], default="kernel")
+    parser.add_argument("--compare", choices=["kernel", "packing", "mapped"], default="kernel")
     args = parser.parse_args()
 
     import torch
@@ -34,6 +36,10 @@ def main() -> None:
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
+    if args.compare == "mapped":
+        from engine.weights import load_model
+
+        load_model("default", torch.float32)  # writes the disk cache's serving entry if it is not there
     engine = LLMEngine(EngineConfig(model="default", dtype=args.dtype, num_threads=args.threads,
                                     kv_cache_bytes=2 << 30, detokenize=False))
     kernel = load_kernel()
@@ -43,15 +49,22 @@ def main() -> None:
     packed = [m.packed_weight for m in layers]
     if args.compare == "packing" and not any(p is not None for p in packed):
         raise SystemExit("no packed decode weights here (fp32 on an AVX2 CPU only): nothing to compare")
+    mapped = [m.weight_t for m in layers]
+    copies = [w.clone() for w in mapped] if args.compare == "mapped" else []
 
     def use(on: bool) -> None:
         if args.compare == "kernel":
             engine.loaded.model.use_decode_kernel(kernel if on else None)
             return
+        if args.compare == "mapped":
+            for layer, weight in zip(layers, mapped if on else copies):
+                layer.weight_t = weight
+            return
         for layer, weight in zip(layers, packed):
             layer.packed_weight = weight if on else None
 
-    before, after = ("torch (gather + SDPA)", "paged kernel") if args.compare == "kernel" else ("transposed", "packed")
+    before, after = {"kernel": ("torch (gather + SDPA)", "paged kernel"), "packing": ("transposed", "packed"),
+                     "mapped": ("own memory", "mapped")}[args.compare]
     paths = {before: False, after: True}
     generator = torch.Generator().manual_seed(0)
     max_tokens = 2 + args.rounds * len(paths) * args.steps

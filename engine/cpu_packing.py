@@ -75,10 +75,23 @@ class TransposedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: bool = False):
         """`pack_for_decode`: also hold the oneDNN-packed copy for decode batches (`decode_packing_supported()`)."""
         super().__init__()
-        self.out_features = weight.shape[0]
-        self.register_buffer("weight_t", weight.detach().t().contiguous())  # in state_dict(), as `weight` was
+        self._hold(weight.detach().t().contiguous(), bias, _packed_for_decode(weight) if pack_for_decode else None)
+
+    @classmethod
+    def over(cls, weight_t: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: bool) -> "TransposedLinear":
+        """The layer over a weight already transposed, used in place: e.g. memory-mapped from the disk
+        cache, so that the workers of a node read one copy from the page cache instead of each making its own."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        # packed from the transposed view: the same bits as from the weight itself (tests/test_loading.py)
+        layer._hold(weight_t, bias, _packed_for_decode(weight_t.t()) if pack_for_decode else None)
+        return layer
+
+    def _hold(self, weight_t: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]) -> None:
+        self.out_features = weight_t.shape[1]
+        self.register_buffer("weight_t", weight_t)  # in state_dict(), as `weight` was
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        self.register_buffer("packed_weight", _packed_for_decode(weight) if pack_for_decode else None, persistent=False)
+        self.register_buffer("packed_weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None and 1 < x.shape[0] < DECODE_PACKED_MAX_ROWS:
@@ -97,16 +110,23 @@ def _packed_for_decode(weight: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
 
+def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(parent, attribute, qualified name) of every `nn.Linear` of `model`, and of its LM head where it is
+    tied (`lm_head` None: the head reads the embedding table)."""
+    slots = [(parent, name, f"{prefix}.{name}" if prefix else name)
+             for prefix, parent in model.named_modules() for name, child in parent.named_children()
+             if isinstance(child, nn.Linear)]
+    if getattr(model, "lm_head", "absent") is None:
+        slots.append((model, "lm_head", "lm_head"))
+    return slots
+
+
 def pack_linears(model: nn.Module, layer=PackedLinear) -> int:
     """Replaces every `nn.Linear` of `model` (and its tied LM head, which then holds its own copy of the
     embedding table) with `layer(weight, bias)` (e.g. `PackedLinear`, `TransposedLinear`); returns how many."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, layer(child.weight, child.bias))
-                replaced += 1
-    if getattr(model, "lm_head", "absent") is None:  # tied: the head reads the embedding table
-        model.lm_head = layer(model.embed_tokens.weight, None)
-        replaced += 1
-    return replaced
+    slots = linear_slots(model)
+    for parent, name, _ in slots:
+        child = getattr(parent, name)
+        weight, bias = (model.embed_tokens.weight, None) if child is None else (child.weight, child.bias)
+        setattr(parent, name, layer(weight, bias))
+    return len(slots)

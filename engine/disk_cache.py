@@ -15,6 +15,7 @@ Location: `$PDSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/pdserve`, else `~/.cache/p
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -79,25 +80,74 @@ def gguf_metadata(source: Path, parse: Callable[[], dict[str, Any]]) -> dict[str
 
 def gguf_weights(source: Path, dtype: "torch.dtype", produce: Callable[[], Iterable[tuple[str, "torch.Tensor"]]]) -> Iterable[tuple[str, "torch.Tensor"]]:
     """The (name, tensor) pairs `produce()` gives for serving in `dtype`, from the cache if there."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
-
-    if os.environ.get(WEIGHTS_ENV) == "0":
-        return produce()
-    entry = _entry(source, f"weights-{str(dtype).removeprefix('torch.')}", ".safetensors")
-    cached: Optional[dict] = None
-    try:
-        cached = load_file(entry)
-    except FileNotFoundError:
-        pass
-    except (OSError, SafetensorError) as error:
-        log.warning("unreadable weights cache %s (%s); reading the model file", entry, error)
+    kind = f"weights-{str(dtype).removeprefix('torch.')}"
+    cached = tensors(source, kind)
     if cached is not None:
         return cached.items()
-    tensors = {name: tensor.contiguous() for name, tensor in produce()}
+    produced = {name: tensor.contiguous() for name, tensor in produce()}
+    save_tensors(source, kind, produced)
+    return produced.items()
+
+
+def tensors(source: Path, kind: str) -> Optional[dict[str, "torch.Tensor"]]:
+    """The tensors of the `kind` entry for `source`, memory-mapped: read from the page cache, which every
+    process of the machine shares, and only where touched. None when there is none or it is unreadable (logged)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if os.environ.get(WEIGHTS_ENV) == "0":
+        return None
+    entry = _entry(source, kind, ".safetensors")
     try:
-        write_atomically(entry, lambda path: save_file(tensors, path))
-        log.info("cached the weights of %s in %s (%.0f MiB)", source.name, entry, entry.stat().st_size / 2**20)
+        return load_file(entry)
+    except FileNotFoundError:
+        return None
+    except (OSError, SafetensorError) as error:
+        log.warning("unreadable weights cache %s (%s); reading the model file", entry, error)
+        return None
+
+
+def save_tensors(source: Path, kind: str, named: dict[str, "torch.Tensor"]) -> None:
+    """Writes the `kind` entry for `source` (contiguous tensors that share no memory); failures are logged."""
+    from safetensors.torch import save_file
+
+    if os.environ.get(WEIGHTS_ENV) == "0":
+        return
+    entry = _entry(source, kind, ".safetensors")
+
+    def write(path: str) -> None:
+        save_file(named, path, metadata=_aligning_metadata(named))
+        if (8 + len(_header(path))) % _ALIGN_BYTES:  # safetensors laid its header out otherwise: pad what it wrote
+            unpadded = len(_header(path).rstrip())
+            save_file(named, path, metadata={"pad": " " * ((-8 - unpadded) % _ALIGN_BYTES)})
+
+    try:
+        write_atomically(entry, write)
+        log.info("cached the %s of %s in %s (%.0f MiB)", kind, source.name, entry, entry.stat().st_size / 2**20)
     except OSError as error:
-        log.warning("could not cache the weights of %s: %s", source, error)
-    return tensors.items()
+        log.warning("could not cache the %s of %s: %s", kind, source, error)
+
+
+# Tensors are used in place where they are mapped: their data starts on a cache line when the header
+# (8 bytes of length, then JSON) ends on one, as every tensor size of a model is a multiple of 64 bytes.
+_ALIGN_BYTES = 64
+_SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
+
+
+def _aligning_metadata(named: dict[str, "torch.Tensor"]) -> dict[str, str]:
+    """Metadata whose padding ends the header on a cache line, from the header safetensors writes
+    (compact JSON, tensors of one dtype by name), so that one write suffices; `save_tensors` checks."""
+    entries, offset = {}, 0
+    for name in sorted(named):
+        tensor = named[name]
+        size = tensor.numel() * tensor.element_size()
+        entries[name] = {"dtype": _SAFETENSORS_DTYPES.get(str(tensor.dtype), "?"), "shape": list(tensor.shape),
+                         "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps({"__metadata__": {"pad": ""}, **entries}, separators=(",", ":"))
+    return {"pad": " " * ((-8 - len(header)) % _ALIGN_BYTES)}
+
+
+def _header(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read(int.from_bytes(file.read(8), "little"))

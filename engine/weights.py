@@ -6,14 +6,17 @@ casts to the serving dtype and loads them with `assign=True` (no second copy of 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from itertools import chain
+from typing import Callable, Iterable, Optional
 
 import torch
 
+from engine import disk_cache
 from engine.config import NAMED_SHAPES, ModelConfig
-from engine.cpu_packing import (TransposedLinear, decode_packing_supported, pack_linears, packing_supported,
-                                 transposing_supported)
+from engine.cpu_packing import (TransposedLinear, decode_packing_supported, linear_slots, pack_linears,
+                                 packing_supported, transposing_supported)
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
 from engine.model import LlamaModel, rope_inv_freq
 from engine.paged_attention import decode_kernel_for
@@ -22,6 +25,7 @@ from engine.tokenizer import Tokenizer
 DUMMY_PREFIX = "dummy:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,7 +84,7 @@ def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float3
         tokenizer = Tokenizer.from_hf_dir(path, generation_eos)
         model = build_model(config, hf_loader.iter_hf_tensors(path), dtype, device)
         return LoadedModel(config, model, tokenizer, str(path))
-    from engine import disk_cache, gguf_loader
+    from engine import gguf_loader
 
     fields, tensor_names = gguf_loader.read_metadata(path)
     config = gguf_loader.config_from_fields(fields, "output.weight" in tensor_names, name=path.stem)
@@ -91,8 +95,57 @@ def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float3
         # rope_freqs stays fp32: it scales the rotary frequencies, computed in float64.
         return ((name, t if name == "rope_freqs" else t.to(dtype)) for name, t in tensors)
 
-    model = build_model(config, disk_cache.gguf_weights(path, dtype, dequantized), dtype, device)
+    if transposing_supported(dtype, device):  # the layout it serves in is plain tensors: cache those
+        model = _served_from_cache(path, config, dtype, device, lambda: build_model(config, dequantized(), dtype, device))
+    else:
+        model = build_model(config, disk_cache.gguf_weights(path, dtype, dequantized), dtype, device)
     return LoadedModel(config, model, tokenizer, str(path))
+
+
+def _served_from_cache(source, config: ModelConfig, dtype: torch.dtype, device: str, build: Callable[[], LlamaModel]) -> LlamaModel:
+    """The model over its serving tensors (fused, transposed) memory-mapped from the disk cache, else built
+    and cached. A worker then makes no copy of the weights but the oneDNN-packed one: building the layout
+    afresh wrote 1.4 GB of new memory, 5-15 s of page faults per worker on this VM when two start at once."""
+    kind = f"serving-{str(dtype).removeprefix('torch.')}-transposed"
+    cached = disk_cache.tensors(source, kind)
+    if cached is not None:
+        try:
+            return model_over(config, cached, device)
+        except ValueError as error:
+            log.warning("the cached serving weights of %s do not fit the model (%s); reading the model file", source, error)
+    model = build()
+    disk_cache.save_tensors(source, kind, serving_tensors(model))
+    return model
+
+
+def serving_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """Every tensor of a model laid out by `prepare_for_inference`, by name, but the oneDNN-packed copies
+    (opaque to anything but oneDNN; `model_over` packs them again)."""
+    return {name: tensor for name, tensor in chain(model.named_parameters(), model.named_buffers())
+            if not name.endswith(".packed_weight")}
+
+
+def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: str) -> LlamaModel:
+    """The model whose linears are `TransposedLinear`s over `tensors` (as `serving_tensors` names them),
+    used in place; ValueError when they do not fit `config`."""
+    state = dict(tensors)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    pack_for_decode = decode_packing_supported()
+    try:
+        model.rotary.inv_freq = state.pop("rotary.inv_freq")
+        for parent, name, qualified in linear_slots(model):
+            child, weight_t = getattr(parent, name), state[f"{qualified}.weight_t"]
+            shape = (config.hidden_size, config.vocab_size) if child is None else (child.in_features, child.out_features)
+            if tuple(weight_t.shape) != shape:
+                raise ValueError(f"{qualified}.weight_t is {tuple(weight_t.shape)}, the model needs {shape}")
+            bias = state.pop(f"{qualified}.bias", None)  # not in state_dict(): a non-persistent buffer
+            setattr(parent, name, TransposedLinear.over(weight_t, bias, pack_for_decode))
+        model.load_state_dict(state, strict=True, assign=True)
+    except (KeyError, RuntimeError) as error:
+        raise ValueError(f"{type(error).__name__}: {error}") from None
+    model.use_decode_kernel(decode_kernel_for(device))
+    return model.eval()
 
 
 def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from engine import disk_cache, gguf_loader
+from engine.cpu_packing import TransposedLinear, decode_packing_supported, transposing_supported
 from engine.tokenizer import load_tokenizer
-from engine.weights import load_model
+from engine.weights import load_model, model_over, serving_tensors
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def parses(monkeypatch):
 
 
 def _state(loaded):
-    return {name: t.clone() for name, t in loaded.model.state_dict().items()}
+    return loaded.model.state_dict()  # no copies: 1.3 GB of fresh memory took 14 s to fault in here
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -40,7 +41,7 @@ def test_a_second_load_reads_the_cache_and_gives_the_same_model(cache, parses, d
     first = load_model(str(default_gguf), dtype)
     assert len(parses) == 2  # metadata, then weights
     assert sorted(p.name.rsplit("-", 1)[0] for p in cache.iterdir()) == [
-        f"{default_gguf.stem}.metadata", f"{default_gguf.stem}.weights-{str(dtype).removeprefix('torch.')}"]
+        f"{default_gguf.stem}.metadata", f"{default_gguf.stem}.{_weights_kind(dtype)}"]
     second = load_model(str(default_gguf), dtype)
     assert len(parses) == 2  # the file was not opened again
     assert second.config == first.config
@@ -49,6 +50,61 @@ def test_a_second_load_reads_the_cache_and_gives_the_same_model(cache, parses, d
     prompt = "The KV cache moves between workers."
     assert load_tokenizer(str(default_gguf)).encode(prompt) == first.tokenizer.encode(prompt)
     assert len(parses) == 2
+    if _weights_kind(dtype).startswith("serving-"):
+        _assert_served_in_place(first, second, next(cache.glob(f"*.{_weights_kind(dtype)}-*")))
+
+
+def _assert_served_in_place(built, mapped, entry):
+    """`mapped`'s linears read the cache entry's pages, with no copy, and compute what `built`'s do."""
+    ranges = _mapped_ranges(entry)
+    layers = [m for m in mapped.model.modules() if isinstance(m, TransposedLinear)]
+    assert len(layers) == 1 + 4 * built.config.num_layers  # the tied head and each layer's four
+    for tensor in [m.weight_t for m in layers] + [mapped.model.embed_tokens.weight]:
+        assert any(start <= tensor.data_ptr() < end for start, end in ranges)
+        assert tensor.data_ptr() % 64 == 0  # on a cache line, as the entry was written
+    # the decode copies oneDNN packs (opaque memory) are packed again where the CPU wants them
+    assert all((m.packed_weight is not None) == decode_packing_supported() for m in layers)
+    generator = torch.Generator().manual_seed(0)
+    for ours, theirs in zip([m for m in built.model.modules() if isinstance(m, TransposedLinear)], layers):
+        x = torch.randn(5, ours.weight_t.shape[0], generator=generator)  # a decode batch: packed where used
+        assert torch.equal(ours(x), theirs(x))
+
+
+def test_a_model_over_serving_tensors_that_do_not_fit_is_a_value_error_naming_the_tensor():
+    built = load_model("dummy:tiny", torch.float32)
+    tensors = serving_tensors(built.model)
+    over = model_over(built.config, tensors, "cpu")
+    ids = torch.tensor([1, 5, 9])
+    a, b = built.model.state_dict(), over.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert over.layers[0].mlp.down_proj.weight_t is tensors["layers.0.mlp.down_proj.weight_t"]  # in place
+    assert torch.equal(over.embed_tokens(ids), built.model.embed_tokens(ids))
+    for name, bad in [("layers.0.mlp.down_proj.weight_t", lambda t: t[:-1]), ("norm.weight", lambda t: t[:-1]),
+                      ("layers.1.self_attn.o_proj.weight_t", None)]:
+        broken = dict(tensors)
+        if bad is None:
+            del broken[name]
+        else:
+            broken[name] = bad(broken[name])
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+            model_over(built.config, broken, "cpu")
+
+
+def _weights_kind(dtype):
+    """fp32 on a CPU serves transposed linears, and those are cached as they serve; other layouts are
+    cached as dequantized."""
+    name = str(dtype).removeprefix("torch.")
+    return f"serving-{name}-transposed" if transposing_supported(dtype, "cpu") else f"weights-{name}"
+
+
+def _mapped_ranges(path):
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(str(path)):
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
 
 
 def test_a_changed_model_file_is_parsed_again(cache, parses, default_gguf, tmp_path):
@@ -65,16 +121,17 @@ def test_a_changed_model_file_is_parsed_again(cache, parses, default_gguf, tmp_p
 
 
 def test_a_broken_entry_is_logged_and_replaced(cache, parses, default_gguf, caplog):
-    expected = load_model(str(default_gguf), torch.bfloat16)
+    dtype = torch.bfloat16  # the fp32 serving entry is read by the same disk_cache.tensors
+    expected = load_model(str(default_gguf), dtype)
     for entry in cache.iterdir():
         entry.write_bytes(entry.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="engine.disk_cache"):
-        again = load_model(str(default_gguf), torch.bfloat16)
+        again = load_model(str(default_gguf), dtype)
     assert "unreadable metadata cache" in caplog.text and "unreadable weights cache" in caplog.text
     assert len(parses) == 4
     a, b = _state(expected), _state(again)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    load_model(str(default_gguf), torch.bfloat16)
+    load_model(str(default_gguf), dtype)
     assert len(parses) == 4  # the rewritten entries are good
 
 
