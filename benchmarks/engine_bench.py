@@ -139,19 +139,15 @@ class HFReference:
 
     def __init__(self, dtype: str):
         import transformers
-        from transformers import GgufConfig
 
         from engine.default_model import default_model_path
+        from engine.hf_reference import hf_model
         from engine.weights import parse_dtype
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        path = default_model_path()
-        # dequantize=True: a plain dense model in `dtype`, like ours, whatever GGUF kernels are installed.
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=parse_dtype(dtype),
-            quantization_config=GgufConfig(dequantize=True),
-        ).eval()
+        # transformers' dense reading of the GGUF file (dequantized, converted once), in `dtype`, like ours
+        self.model = hf_model(default_model_path(), parse_dtype(dtype))
         self.pad_token_id = self.model.generation_config.eos_token_id
         if isinstance(self.pad_token_id, list):
             self.pad_token_id = self.pad_token_id[0]

@@ -78,13 +78,13 @@ class TransposedLinear(nn.Module):
         self._hold(weight.detach().t().contiguous(), bias, _packed_for_decode(weight) if pack_for_decode else None)
 
     @classmethod
-    def over(cls, weight_t: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: bool) -> "TransposedLinear":
+    def over(cls, weight_t: torch.Tensor, bias: Optional[torch.Tensor]) -> "TransposedLinear":
         """The layer over a weight already transposed, used in place: e.g. memory-mapped from the disk
-        cache, so that the workers of a node read one copy from the page cache instead of each making its own."""
+        cache, so that the workers of a node read one copy from the page cache instead of each making its
+        own. Without its packed decode copy: `pack_for_decode` gives it that."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        # packed from the transposed view: the same bits as from the weight itself (tests/test_loading.py)
-        layer._hold(weight_t, bias, _packed_for_decode(weight_t.t()) if pack_for_decode else None)
+        layer._hold(weight_t, bias, None)
         return layer
 
     def _hold(self, weight_t: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]) -> None:
@@ -108,6 +108,19 @@ def _packed_for_decode(weight: torch.Tensor) -> Optional[torch.Tensor]:
     except RuntimeError as exc:  # a oneDNN build without this layout: the transposed weight serves alone
         log.warning("fp32 decode weights stay unpacked: oneDNN could not pack a %s weight: %s", tuple(weight.shape), exc)
         return None
+
+
+def pack_for_decode(layers: list[TransposedLinear]) -> None:
+    """Gives each layer its oneDNN-packed copy for decode batches, packed from its weight laid out
+    `[out, in]` again in one scratch buffer: oneDNN packing a transposed view copies it to fresh memory
+    first, and on a VM that pages memory in slowly that doubled the page faults of a worker's start."""
+    if not layers:
+        return
+    scratch = torch.empty(max(layer.weight_t.numel() for layer in layers), dtype=layers[0].weight_t.dtype)
+    for layer in layers:
+        weight = scratch[:layer.weight_t.numel()].view(layer.out_features, -1)
+        weight.copy_(layer.weight_t.t())
+        layer.packed_weight = _packed_for_decode(weight)
 
 
 def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:

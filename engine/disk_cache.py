@@ -54,7 +54,8 @@ def write_atomically(target: Path, write: Callable[[str], None]) -> None:
             os.unlink(partial)
 
 
-def _entry(source: Path, kind: str, suffix: str) -> Path:
+def entry_path(source: Path, kind: str, suffix: str) -> Path:
+    """Where the `kind` entry for `source` lives (keyed by its path, size and modification time)."""
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{FORMAT_VERSION}\0{kind}".encode())
     return cache_root() / "models" / f"{source.stem}.{kind}-{key.hexdigest()[:16]}{suffix}"
@@ -62,7 +63,7 @@ def _entry(source: Path, kind: str, suffix: str) -> Path:
 
 def gguf_metadata(source: Path, parse: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The file's metadata, as `parse()` returns it (plain msgpack-able values), from the cache if there."""
-    entry = _entry(source, "metadata", ".msgpack")
+    entry = entry_path(source, "metadata", ".msgpack")
     try:
         return msgpack.unpackb(entry.read_bytes(), raw=False, strict_map_key=False)
     except FileNotFoundError:
@@ -97,7 +98,7 @@ def tensors(source: Path, kind: str) -> Optional[dict[str, "torch.Tensor"]]:
 
     if os.environ.get(WEIGHTS_ENV) == "0":
         return None
-    entry = _entry(source, kind, ".safetensors")
+    entry = entry_path(source, kind, ".safetensors")
     try:
         return load_file(entry)
     except FileNotFoundError:
@@ -113,7 +114,7 @@ def save_tensors(source: Path, kind: str, named: dict[str, "torch.Tensor"]) -> N
 
     if os.environ.get(WEIGHTS_ENV) == "0":
         return
-    entry = _entry(source, kind, ".safetensors")
+    entry = entry_path(source, kind, ".safetensors")
 
     def write(path: str) -> None:
         save_file(named, path, metadata=_aligning_metadata(named))

@@ -15,8 +15,8 @@ import torch
 
 from engine import disk_cache
 from engine.config import NAMED_SHAPES, ModelConfig
-from engine.cpu_packing import (TransposedLinear, decode_packing_supported, linear_slots, pack_linears,
-                                 packing_supported, transposing_supported)
+from engine.cpu_packing import (TransposedLinear, decode_packing_supported, linear_slots, pack_for_decode,
+                                 pack_linears, packing_supported, transposing_supported)
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
 from engine.model import LlamaModel, rope_inv_freq
 from engine.paged_attention import decode_kernel_for
@@ -131,7 +131,6 @@ def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: st
     state = dict(tensors)
     with torch.device("meta"):
         model = LlamaModel(config)
-    pack_for_decode = decode_packing_supported()
     try:
         model.rotary.inv_freq = state.pop("rotary.inv_freq")
         for parent, name, qualified in linear_slots(model):
@@ -140,10 +139,12 @@ def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: st
             if tuple(weight_t.shape) != shape:
                 raise ValueError(f"{qualified}.weight_t is {tuple(weight_t.shape)}, the model needs {shape}")
             bias = state.pop(f"{qualified}.bias", None)  # not in state_dict(): a non-persistent buffer
-            setattr(parent, name, TransposedLinear.over(weight_t, bias, pack_for_decode))
+            setattr(parent, name, TransposedLinear.over(weight_t, bias))
         model.load_state_dict(state, strict=True, assign=True)
     except (KeyError, RuntimeError) as error:
         raise ValueError(f"{type(error).__name__}: {error}") from None
+    if decode_packing_supported():
+        pack_for_decode([m for m in model.modules() if isinstance(m, TransposedLinear)])
     model.use_decode_kernel(decode_kernel_for(device))
     return model.eval()
 

@@ -28,13 +28,9 @@ CHAT_PROMPTS = [  # tests/test_model_vs_hf.py
 
 
 def _hf_from_gguf(path: Path, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM
+    from engine.hf_reference import hf_model
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    except TypeError:  # transformers < 4.56 names it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=dtype)
-    return model.to(device).eval()
+    return hf_model(path, dtype).to(device)  # transformers' own reading of the file, converted once
 
 
 def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids, device: str) -> list[int]:

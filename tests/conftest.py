@@ -29,10 +29,9 @@ def smollm_fp32():
 
 @pytest.fixture(scope="session")
 def hf_smollm_fp32(default_gguf):
-    from transformers import AutoModelForCausalLM
+    from engine.hf_reference import hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
-    return model.eval()
+    return hf_model(default_gguf, torch.float32)  # transformers' own reading of the GGUF file, converted once
 
 
 @pytest.fixture(scope="session")

@@ -22,10 +22,10 @@ def _logits(loaded, ids):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer_files(tmp_path_factory, default_gguf):
-    from transformers import AutoTokenizer
+    from engine.hf_reference import hf_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
-    AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name).save_pretrained(path)
+    hf_tokenizer(default_gguf).save_pretrained(path)
     return path
 
 

@@ -110,8 +110,9 @@ def tokenizer(gguf_fields):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer():
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    from engine.hf_reference import hf_tokenizer
+
+    return hf_tokenizer(default_model_path())
 
 
 # -- encode / decode ---------------------------------------------------------------------------
