@@ -1,5 +1,6 @@
 """A per-user disk cache of what is slow to rebuild at every start: a model file's metadata, its
-dequantized weights, and the compiled attention kernel.
+weights (dequantized, or for an fp32 CPU model laid out as it serves: weights.py), and the compiled
+attention kernel.
 
 Parsing the default GGUF file's metadata takes gguf-py 2 s and dequantizing its weights 1 s, in the
 router and in every worker, at every start and every scale-up; from here they load in milliseconds.
@@ -117,9 +118,11 @@ def save_tensors(source: Path, kind: str, named: dict[str, "torch.Tensor"]) -> N
     entry = entry_path(source, kind, ".safetensors")
 
     def write(path: str) -> None:
-        save_file(named, path, metadata=_aligning_metadata(named))
-        if (8 + len(_header(path))) % _ALIGN_BYTES:  # safetensors laid its header out otherwise: pad what it wrote
-            unpadded = len(_header(path).rstrip())
+        pad = _aligning_pad(named)
+        save_file(named, path, metadata={"pad": pad})
+        header = _header(path)
+        if (8 + len(header)) % _ALIGN_BYTES:  # safetensors laid its header out otherwise: pad what it wrote
+            unpadded = len(header.rstrip()) - len(pad)  # its length with an empty pad
             save_file(named, path, metadata={"pad": " " * ((-8 - unpadded) % _ALIGN_BYTES)})
 
     try:
@@ -135,8 +138,8 @@ _ALIGN_BYTES = 64
 _SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
 
 
-def _aligning_metadata(named: dict[str, "torch.Tensor"]) -> dict[str, str]:
-    """Metadata whose padding ends the header on a cache line, from the header safetensors writes
+def _aligning_pad(named: dict[str, "torch.Tensor"]) -> str:
+    """The metadata padding that ends the header on a cache line, from the header safetensors writes
     (compact JSON, tensors of one dtype by name), so that one write suffices; `save_tensors` checks."""
     entries, offset = {}, 0
     for name in sorted(named):
@@ -146,7 +149,7 @@ def _aligning_metadata(named: dict[str, "torch.Tensor"]) -> dict[str, str]:
                          "data_offsets": [offset, offset + size]}
         offset += size
     header = json.dumps({"__metadata__": {"pad": ""}, **entries}, separators=(",", ":"))
-    return {"pad": " " * ((-8 - len(header)) % _ALIGN_BYTES)}
+    return " " * ((-8 - len(header)) % _ALIGN_BYTES)
 
 
 def _header(path: str) -> bytes:
