@@ -3,7 +3,7 @@ with, converted once and kept in the disk cache.
 
 `from_pretrained(..., gguf_file=...)` parses and dequantizes the file in Python: 30 s for the default
 model on this repo's 2-core machines, in every process that wants the reference. What it makes of the
-file is saved once with `save_pretrained` (keyed by the file, like every cache entry, and by the
+file is saved once with `save_pretrained` (keyed by the file's content, like every cache entry, and by the
 transformers version) and loads from there in about a second; the reference is still transformers'
 conversion, not ours. Not used in serving: transformers is a test dependency.
 """
@@ -28,6 +28,7 @@ def hf_directory(gguf: Path) -> Path:
 
     entry = disk_cache.entry_path(gguf, f"hf-transformers-{transformers.__version__}", "")
     if (entry / "config.json").exists():
+        disk_cache.mark_used(entry)
         return entry
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -51,6 +52,7 @@ def hf_directory(gguf: Path) -> Path:
         if not (entry / "config.json").exists():
             return partial
         shutil.rmtree(partial, ignore_errors=True)  # a process converting at the same time got there first
+    disk_cache.prune(keep=entry)
     return entry
 
 

@@ -15,6 +15,7 @@ from engine.weights import load_model, model_over, serving_tensors
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(disk_cache, "_digests", {})  # as in a fresh process
     return tmp_path / "cache" / "models"
 
 
@@ -107,17 +108,56 @@ def _mapped_ranges(path):
     return ranges
 
 
-def test_a_changed_model_file_is_parsed_again(cache, parses, default_gguf, tmp_path):
+def test_entries_follow_the_file_content_not_its_path(cache, parses, default_gguf, tmp_path):
+    """A copy elsewhere (another checkout's model) reads the same entries; a touched file is hashed again
+    and still matches; a changed file is parsed again, into an entry of its own."""
+    load_tokenizer(str(default_gguf))
+    assert len(parses) == 1
     copy = tmp_path / default_gguf.name
     copy.write_bytes(default_gguf.read_bytes())
-    load_tokenizer(str(copy))
     load_tokenizer(str(copy))
     assert len(parses) == 1
     stat = copy.stat()
     os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    disk_cache._digests.clear()
+    load_tokenizer(str(copy))
+    assert len(parses) == 1
+    with open(copy, "r+b") as file:  # the last byte lies in tensor data, which the metadata does not read
+        file.seek(-1, os.SEEK_END)
+        last = file.read(1)
+        file.seek(-1, os.SEEK_END)
+        file.write(bytes([last[0] ^ 1]))
     load_tokenizer(str(copy))
     assert len(parses) == 2
-    assert len(list(cache.iterdir())) == 2  # one entry per version of the file
+    assert len(list(cache.iterdir())) == 2  # one entry per content of the file
+    assert len(list((cache.parent / "index").iterdir())) == 4  # one digest per path, size and time seen
+
+
+def test_the_cache_is_pruned_least_recently_used_first_never_the_entry_just_written(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv(disk_cache.MAX_ENV, str(2.5 * 2**20 / 2**30))  # room for two 1 MiB entries
+    sources = []
+    for name in "abcd":
+        sources.append(tmp_path / f"{name}.gguf")
+        sources[-1].write_bytes(name.encode())
+    one_mib = {"w": torch.zeros(2**18)}
+
+    def write(source):
+        disk_cache.save_tensors(source, "weights-float32", one_mib)
+        entry = disk_cache.entry_path(source, "weights-float32", ".safetensors")
+        os.utime(entry, (entry.stat().st_atime, entry.stat().st_mtime - 100 + len(list(cache.iterdir()))))
+        return entry
+
+    a, b = write(sources[0]), write(sources[1])
+    assert disk_cache.tensors(sources[0], "weights-float32") is not None  # a is now the one used last
+    stale = cache / "x.weights-float32-0.safetensors.123.partial"
+    stale.write_bytes(b"half")
+    os.utime(stale, (0, 0))
+    c = write(sources[2])
+    assert sorted(cache.iterdir()) == sorted([a, c])  # b went; so did the write a dead process left
+    monkeypatch.setenv(disk_cache.MAX_ENV, str(0.5 * 2**20 / 2**30))  # less than one entry
+    d = write(sources[3])
+    assert list(cache.iterdir()) == [d]
+    assert torch.equal(disk_cache.tensors(sources[3], "weights-float32")["w"], one_mib["w"])
 
 
 def test_a_broken_entry_is_logged_and_replaced(cache, parses, default_gguf, caplog):
