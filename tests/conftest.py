@@ -12,6 +12,12 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """Modules marked `own_ray_cluster` (they shut the session's shared cluster down and start their own)
+    run first, so the shared one starts once: each start of it costs 10-20 s on this repo's machines."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is None)  # stable: order kept otherwise
+
+
 @pytest.fixture(scope="session")
 def default_gguf():
     from engine.default_model import default_model_path

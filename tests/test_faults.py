@@ -181,6 +181,8 @@ def test_the_worker_holding_a_request_killed_in_each_phase_recovers_it_exactly(s
     RESULTS[f"{system.name}/{phase}"]["leaked_blocks"] = 0
 
 
+# The router's and the healer's own paths: the transport is not in them (one disaggregated system each).
+@pytest.mark.parametrize("system", ["disaggregated/ray", "colocated/ray"], indirect=True)
 def test_with_migrations_exhausted_the_request_fails_cleanly_at_once(system):
     router = system.system.router
     original = router.config
@@ -195,6 +197,7 @@ def test_with_migrations_exhausted_the_request_fails_cleanly_at_once(system):
     _wait_healed(system)
 
 
+@pytest.mark.parametrize("system", ["disaggregated/grpc", "colocated/ray"], indirect=True)
 def test_a_worker_cut_off_from_the_router_is_killed_and_replaced(system):
     """Its process lives but its token stream ended: the healer must kill it (its CPUs and KV come back)
     and start a replacement."""

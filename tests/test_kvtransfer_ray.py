@@ -30,6 +30,9 @@ from kvtransfer.wire import KVGroupHeader  # noqa: E402
 BF16 = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64, block_size_tokens=16, dtype="bfloat16")
 
 
+pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster down: runs first
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this module sizes its own

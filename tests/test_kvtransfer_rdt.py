@@ -22,6 +22,9 @@ BF16 = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64, block_size_tokens=16,
 Worker = ray.remote(num_cpus=0.5, **actor_class_options())(KVEndWorker)
 
 
+pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster down: runs first
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this module sizes its own

@@ -10,8 +10,14 @@ import pytest
 from tests.serving_harness import Harness
 
 
+pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster down: runs first
+
+
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
+    import ray
+
+    ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this one is the node's size
     harness = Harness(str(tmp_path_factory.mktemp("cores")), num_cpus=os.cpu_count())  # the node `pdserve serve` starts here
     running = harness.start(num_prefill=1, num_decode=1)
     yield running

@@ -24,7 +24,7 @@ MAX_IN_FLIGHT = 48
 MAX_WAITING_FOR_KV = 8
 # A refusal is decided before any work: it comes back within this, even as the 200th of a burst on 2 cores.
 REFUSAL_BOUND_S = 2.0
-SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "30"))
+SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "15"))  # longer soaks: PDSERVE_SOAK_S=600
 RSS_BOUND_BYTES = 64 << 20  # allowed growth per process across the soak, after warm-up
 REPORT = {}
 

@@ -9,6 +9,9 @@ from pdserve.client import PdserveClient
 from pdserve.system import ServeConfig, start_system
 
 
+pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster down: runs first
+
+
 @pytest.fixture(scope="module")
 def cluster():
     import ray

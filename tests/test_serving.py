@@ -125,40 +125,36 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_requests_are_invalid_argument_naming_the_field(harness, expected):
-    system = harness.start(transport="ray")
-    try:
-        with system.client() as client:
-            for fields, needle in BAD_REQUESTS:
-                fields = dict(fields)
-                request = client.request(fields.pop("prompt", None), messages=fields.pop("messages", None),
-                                         token_ids=fields.pop("token_ids", None), **fields)
-                with pytest.raises(grpc.RpcError) as failure:
-                    client.generate(request)
-                assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
-                assert needle in failure.value.details()
-            unknown = client.request("hi")
-            unknown.MergeFromString(unknown.SerializeToString() + bytes([0xA8, 0x06, 0x01]))  # field 101
+def test_bad_requests_are_invalid_argument_naming_the_field(disaggregated, expected):
+    with disaggregated.client() as client:
+        for fields, needle in BAD_REQUESTS:
+            fields = dict(fields)
+            request = client.request(fields.pop("prompt", None), messages=fields.pop("messages", None),
+                                     token_ids=fields.pop("token_ids", None), **fields)
             with pytest.raises(grpc.RpcError) as failure:
-                client.generate(unknown)
-            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field" in failure.value.details()
-            good = client.chat(QUESTIONS[0], max_tokens=32, temperature=0)
-            assert good.token_ids == expected[QUESTIONS[0]].token_ids
-    finally:
-        system.stop()
+                client.generate(request)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+            assert needle in failure.value.details()
+        unknown = client.request("hi")
+        unknown.MergeFromString(unknown.SerializeToString() + bytes([0xA8, 0x06, 0x01]))  # field 101
+        with pytest.raises(grpc.RpcError) as failure:
+            client.generate(unknown)
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field" in failure.value.details()
+        good = client.chat(QUESTIONS[0], max_tokens=32, temperature=0)
+        assert good.token_ids == expected[QUESTIONS[0]].token_ids
 
 
-def test_two_by_two_spreads_load_and_completes_64_streams(harness, expected):
+def test_two_by_two_spreads_load_and_completes_32_streams(harness, expected):
     system = harness.start(transport="ray", num_prefill=2, num_decode=2)
     try:
-        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(64)]
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(32)]
         completions = _chat_all(system, questions, max_tokens=12, temperature=0)
         for question, completion in zip(questions, completions):
             assert completion.token_ids == expected[question].token_ids[:12]
         stats = system.wait_idle()
         assert {w.worker_id for w in stats.workers} == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
         assert all(w.requests_served > 0 for w in stats.workers)
-        assert sum(w.requests_served for w in stats.workers if w.role == "decode") == 64
+        assert sum(w.requests_served for w in stats.workers if w.role == "decode") == 32
         assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
     finally:
         system.stop()
