@@ -154,6 +154,12 @@ def test_the_cache_is_pruned_least_recently_used_first_never_the_entry_just_writ
     os.utime(stale, (0, 0))
     c = write(sources[2])
     assert sorted(cache.iterdir()) == sorted([a, c])  # b went; so did the write a dead process left
+    converted = disk_cache.entry_path(sources[1], "hf-transformers", "")  # a directory entry (hf_reference.py)
+    converted.mkdir()
+    (converted / "model.safetensors").write_bytes(bytes(2**20))
+    os.utime(converted, (0, 0))  # the least recently used, and with c as large as the bound allows
+    disk_cache.prune(keep=c)
+    assert sorted(cache.iterdir()) == sorted([a, c])
     monkeypatch.setenv(disk_cache.MAX_ENV, str(0.5 * 2**20 / 2**30))  # less than one entry
     d = write(sources[3])
     assert list(cache.iterdir()) == [d]
