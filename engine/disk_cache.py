@@ -67,6 +67,38 @@ def write_atomically(target: Path, write: Callable[[str], None]) -> None:
             os.unlink(partial)
 
 
+def directory(source: Path, kind: str, write: Callable[[Path], None]) -> Path:
+    """The `kind` entry for `source` that is a directory, filled by `write(folder)` when missing: written
+    beside its final name and renamed into place, whole or not at all. Where it cannot be cached, the
+    folder `write` filled outside the cache (logged)."""
+    entry = entry_path(source, kind, "")
+    if entry.is_dir():
+        mark_used(entry)
+        return entry
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=entry.name + ".", suffix=".partial", dir=entry.parent))
+    except OSError as error:
+        log.warning("could not cache the %s of %s: %s", kind, source, error)
+        partial = Path(tempfile.mkdtemp(prefix="pdserve-"))
+        write(partial)
+        return partial
+    try:
+        write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    try:
+        os.rename(partial, entry)
+    except OSError as error:
+        if not entry.is_dir():
+            log.warning("could not cache the %s of %s: %s", kind, source, error)
+            return partial
+        shutil.rmtree(partial, ignore_errors=True)  # a process writing it at the same time got there first
+    prune(keep=entry)
+    return entry
+
+
 def entry_path(source: Path, kind: str, suffix: str) -> Path:
     """Where the `kind` entry for `source` lives (keyed by its content)."""
     key = hashlib.sha256(f"{content_digest(source)}\0{FORMAT_VERSION}\0{kind}".encode())
