@@ -8,6 +8,8 @@
 # e.g. bash benchmarks/vs_vllm.sh /work/vllm-anchor bench-results/vs 0.5 32 \
 #        "pd-auto:--prefill 1 --decode 1" "colocated:--mode colocated --decode 2" vllm:float32
 # PDSERVE_PYTHONPATH runs another checkout's pdserve with this venv (a same-run baseline of older code).
+# SEED: the request seed every system of this run gets (default: one drawn per run), so all see the same
+# prompts and arrivals; give a rate the same SEED in every run that compares at it.
 # GOODPUT: the SLO goodput counts against; by default the issue's per ISA: "ttft:1000 tpot:50" where torch
 # reports AVX512 (bf16 machines), "ttft:4000 tpot:200" on AVX2-only machines (about 4x slower).
 set -euo pipefail
@@ -16,18 +18,19 @@ ANCHOR="${VLLM_ANCHOR:-$(cd "$(dirname "$0")/../.." && pwd)/shared/anchors/vllm-
 WORK=$1; OUT=$2; RATE=$3; N=$4; shift 4
 PY=${PY:-.venv/bin/python}
 PORT=18000
+SEED=${SEED:-$RANDOM}
 mkdir -p "$OUT"
 python3 -c "import json, platform; print(json.dumps({'cpu': [l.split(':')[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')][0], 'cores': __import__('os').cpu_count()}))" > "$OUT/machine.json"
 "$PY" -c "import torch, json; print(json.dumps({'torch_cpu_capability': torch.backends.cpu.get_cpu_capability(), 'avx512_bf16': torch.cpu._is_avx512_bf16_supported()}))" >> "$OUT/machine.json"
 
 CAPABILITY=$("$PY" -c "import torch; print(torch.backends.cpu.get_cpu_capability())" 2>/dev/null)
 if [ "$CAPABILITY" = AVX2 ]; then GOODPUT=${GOODPUT:-"ttft:4000 tpot:200"}; else GOODPUT=${GOODPUT:-"ttft:1000 tpot:50"}; fi
-echo "{\"goodput_slo\": \"$GOODPUT\"}" >> "$OUT/machine.json"
+echo "{\"goodput_slo\": \"$GOODPUT\", \"seed\": $SEED}" >> "$OUT/machine.json"
 
 measure() {  # name base_url
     bash "$ANCHOR" bench "$WORK" "$2" smollm2 "$OUT/warmup-$1.json" inf 2 >/dev/null 2>&1 || true
     # shellcheck disable=SC2086
-    bash "$ANCHOR" bench "$WORK" "$2" smollm2 "$OUT/$1.json" "$RATE" "$N" --goodput $GOODPUT > "$OUT/$1.txt" 2>&1
+    bash "$ANCHOR" bench "$WORK" "$2" smollm2 "$OUT/$1.json" "$RATE" "$N" --goodput $GOODPUT --seed "$SEED" > "$OUT/$1.txt" 2>&1
     grep -E "Successful|Failed|Output token throughput|Request goodput|(Median|P99) (TTFT|TPOT|ITL)" "$OUT/$1.txt" | sed "s/^/$1: /"
 }
 

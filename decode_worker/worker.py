@@ -116,11 +116,11 @@ class DecodeWorker(ParkingEndpoints):
             self._handoffs[request_id] = _Handoff(timeout_s)
             return reused
 
-        return await self.loop.call(reserve)
+        return await self.loop.call(reserve, mid_step=True)  # only free blocks are set aside: safe mid-step
 
     async def renew(self, request_id: str, timeout_s: float) -> bool:
         """Restarts a reservation's clock (its prompt still waits for prefill); False when it is gone."""
-        return await self.loop.call(lambda: self.receiver.renew(request_id, timeout_s))
+        return await self.loop.call(lambda: self.receiver.renew(request_id, timeout_s), mid_step=True)
 
     async def deliver(self, deliveries: Sequence) -> None:
         for delivery in deliveries:  # a failure is reported to the request's stream by the next poll

@@ -7,6 +7,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+# float32 or bfloat16: what dtype "auto" resolves to on CPUs, whatever they have (engine.weights.auto_dtype);
+# workers started while it is set in the router's environment get it too (pdserve/pools.py)
+AUTO_DTYPE_ENV = "PDSERVE_AUTO_DTYPE"
+
 @dataclass(frozen=True)
 class Llama3RopeScaling:
     """Llama-3.1-style frequency-dependent RoPE scaling (HF `rope_type: llama3`)."""

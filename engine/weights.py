@@ -7,6 +7,7 @@ casts to the serving dtype and loads them with `assign=True` (no second copy of 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Iterable, Optional
@@ -14,7 +15,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from engine import disk_cache
-from engine.config import NAMED_SHAPES, ModelConfig
+from engine.config import AUTO_DTYPE_ENV, NAMED_SHAPES, ModelConfig
 from engine.cpu_packing import (TransposedLinear, decode_packing_supported, linear_slots, pack_for_decode,
                                  pack_linears, packing_supported, transposing_supported)
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
@@ -63,13 +64,32 @@ def resolve_device(name: str | torch.device) -> str:
 
 def auto_dtype(device: str = "cpu") -> torch.dtype:
     """bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX); fp32 elsewhere, where torch
-    emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32, docs/benchmarks.md)."""
+    emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32, docs/benchmarks.md).
+    `$PDSERVE_AUTO_DTYPE` overrides the CPU's choice, so the bf16 default is testable on any CPU."""
+    return _auto_dtype_and_reason(device)[0]
+
+
+def dtype_reason(name: str, device: str = "cpu") -> str:
+    """Why `name` resolves as it does on this device, for the ready line: "asked", or what "auto" saw."""
+    return "asked" if name != "auto" else "auto: " + _auto_dtype_and_reason(device)[1]
+
+
+def _auto_dtype_and_reason(device: str) -> tuple[torch.dtype, str]:
     if device == "auto":
         device = resolve_device(device)
     if str(device).startswith("cuda"):
-        return torch.bfloat16
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native else torch.float32
+        return torch.bfloat16, "CUDA"
+    forced = os.environ.get(AUTO_DTYPE_ENV)
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"${AUTO_DTYPE_ENV} must be float32 or bfloat16, got {forced!r}")
+        return DTYPES[forced], f"${AUTO_DTYPE_ENV}={forced}"
+    isa = torch.backends.cpu.get_cpu_capability()
+    native = [name for name, has in (("AVX512_BF16", torch.cpu._is_avx512_bf16_supported()),
+                                     ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+    if native:
+        return torch.bfloat16, f"CPU {isa} with native bf16 ({'+'.join(native)})"
+    return torch.float32, f"CPU {isa} without native bf16"
 
 
 def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> LoadedModel:

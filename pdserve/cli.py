@@ -119,6 +119,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="decode tokens per streamed message: 1 sends every token at once; N cuts the router's "
                         "messages N-fold, in bursts of N tokens")
+    from router.slo import DEFAULT_SLO, FAST_SLO, FP32_CPU_SLO  # torch-free
+
+    p.add_argument("--slo", default=DEFAULT_SLO, metavar="ttft:MS,tpot:MS",
+                   help="latency targets, in ms as vLLM's --goodput takes them: completed requests are judged "
+                        "against them (pdserve_slo_* metrics, pdserve status) and decoding workers lend their cores "
+                        f"to prefills within the TPOT target; default {DEFAULT_SLO}: {FAST_SLO} where workers "
+                        f"serve bf16, {FP32_CPU_SLO} for fp32 on CPUs")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON lines (both carry the request id)")
     p.set_defaults(handler=_serve)
 
@@ -140,7 +147,7 @@ def _serve_config(args: argparse.Namespace, **overrides):
                   admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,
                   insecure=args.insecure, tls_cert=args.tls_cert, tls_key=args.tls_key,
                   max_in_flight=args.max_in_flight, max_waiting_for_kv=args.max_waiting,
-                  stream_interval=args.stream_interval, lend_cores=args.lend_cores)
+                  stream_interval=args.stream_interval, lend_cores=args.lend_cores, slo=args.slo)
     if args.autoscale:
         from router.autoscaler import AutoscaleConfig
 
@@ -160,17 +167,15 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from pdserve.system import run_router_loop, start_system
+    from pdserve.system import PortInUseError, run_router_loop, start_system
     from router.logs import configure_logging
 
     configure_logging("INFO", json_lines=args.log_format == "json")
     config = _serve_config(args)  # bad flags fail here, before Ray starts
 
     async def run() -> None:
-        system = await start_system(config)
-        http = f", HTTP on {args.host}:{system.http_port}" if system.http_port else ""
-        print(f"pdserve: serving gRPC on {args.host}:{system.port}{http} ({args.mode}, {args.transport} transport); "
-              "Ctrl-C stops", file=sys.stderr, flush=True)
+        system = await start_system(config)  # logs the ready line
+        print("pdserve: Ctrl-C stops", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -178,7 +183,11 @@ def _serve(args: argparse.Namespace) -> int:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
         await system.stop()
 
-    run_router_loop(run())
+    try:
+        run_router_loop(run())
+    except PortInUseError as error:
+        print(f"pdserve serve: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -254,6 +263,9 @@ def _status(args: argparse.Namespace) -> int:
           f"{stats.requests_completed} completed, {stats.requests_failed} failed; recent TTFT p50 "
           f"{stats.recent_ttft_p50_s * 1e3:.0f} ms, TPOT p50 {stats.recent_tpot_p50_s * 1e3:.1f} ms; context "
           f"{stats.max_context_tokens} tokens (model {stats.model_context_tokens})")
+    if stats.slo:
+        attainment = f" ({stats.slo_met / stats.slo_finished:.1%})" if stats.slo_finished else ""
+        print(f"  SLO {stats.slo}: {stats.slo_met} of {stats.slo_finished} completed requests met it{attainment}")
     for w in stats.workers:
         print(f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  {w.cpus:g} CPU, {w.threads} thread(s)  "
               f"running {w.running_requests}  waiting {w.waiting_requests}  KV free {w.kv_blocks_free}/"

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Optional
 
+from engine.config import AUTO_DTYPE_ENV
 from router.pool import WorkerStartError
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class PoolManager:
         import ray
 
         options = {"num_cpus": self.config.worker_cpus}
+        forced_dtype = os.environ.get(AUTO_DTYPE_ENV)
+        if forced_dtype:  # what "auto" resolves to, on every node the workers land on
+            options["runtime_env"] = {"env_vars": {AUTO_DTYPE_ENV: forced_dtype}}
         # One engine per GPU; Ray sets the actor's CUDA_VISIBLE_DEVICES. Under "auto" a worker without a
         # GPU of its own sees none (Ray hides them) and resolves to cpu.
         if self.config.device == "cuda" or (self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1):

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from router.slo import DEFAULT_SLO, SLO  # torch-free
+
 log = logging.getLogger(__name__)
 
 MODES = ("disaggregated", "colocated")
@@ -74,6 +76,9 @@ class ServeConfig:
     max_in_flight: int = 1024  # requests the router holds at once; beyond: RESOURCE_EXHAUSTED / 429
     max_waiting_for_kv: int = 256  # of those, queued for KV room on a decode worker
     stream_interval: int = 1  # decode tokens per streamed message (router.router.RouterConfig)
+    # "ttft:MS,tpot:MS": what completed requests are judged against and decode workers lend cores within;
+    # "auto": ttft:1000,tpot:50 where the workers serve bf16, ttft:4000,tpot:200 for fp32 CPUs (router/slo.py)
+    slo: str = DEFAULT_SLO
 
     @property
     def worker_cpus(self) -> float:
@@ -101,6 +106,11 @@ class ServeConfig:
 
         return RoutingConfig(self.routing, self.prefix_weight, self.decode_stream_tokens)
 
+    @property
+    def slo_target(self) -> SLO:
+        """`slo` parsed: what the router judges completed requests against."""
+        return SLO.resolve(self.slo, self.dtype, self.device)
+
     def worker_bind_host(self) -> Optional[str]:
         """`kv_host` as decode workers get it: None means their node's address."""
         if self.kv_host != "auto":
@@ -124,6 +134,7 @@ class ServeConfig:
         self.pd  # checks the policy's fields
         self.core_policy
         self.routing_config
+        self.slo_target
         if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
             raise ValueError(f"--decode-interleave-tokens must be >= 1, got {self.decode_interleave_tokens}")
         if self.kv_timeout_s <= 0:
@@ -158,7 +169,8 @@ class ServeConfig:
     def core_policy(self):
         from runtime.cores import CorePolicy  # torch-free
 
-        return CorePolicy(self.lend_cores, self.core_dir)
+        return CorePolicy(self.lend_cores, self.core_dir,
+                          tpot_budget_s=self.slo_target.tpot_s if self.lend_cores != "off" else None)
 
     def engine_config(self):
         from engine.config import EngineConfig  # torch-free: the router builds it
@@ -238,6 +250,25 @@ class System:
     http_port: Optional[int] = None
     ready: bool = False
 
+    def ready_line(self) -> str:
+        """What a user needs to know once serving, as vLLM's start log says it: where, the dtype and why,
+        the context served, and each pool's threads and KV tokens per worker."""
+        config, router = self.config, self.router
+        http = f", HTTP port {self.http_port}" if self.http_port else ""
+        pools = []
+        for pool in (router.prefill_pool, router.decode_pool):
+            if pool.workers:
+                infos = [w.info for w in pool.workers]
+                threads = sorted({i.num_threads for i in infos})
+                kv_tokens = min(i.kv_blocks_total * i.block_size_tokens for i in infos)
+                pools.append(f"{len(infos)} {pool.role} x {'/'.join(map(str, threads))} thread(s), "
+                             f"{kv_tokens} KV tokens each")
+        info = (router.decode_pool.workers or router.prefill_pool.workers)[0].info
+        return (f"pdserve ready on {config.host}: gRPC port {self.port}{http}; {config.mode}, {config.transport} "
+                f"transport; {'; '.join(pools)}; dtype {info.dtype} ({info.dtype_reason}); context "
+                f"{self.limits.max_context_tokens} tokens (model {self.limits.model_context_tokens}); "
+                f"SLO {config.slo_target}")
+
     async def worker_loads(self) -> list:
         """(handle, WorkerLoad or the exception it raised) for every worker of both pools, asked at once."""
         workers = [w for pool in (self.router.prefill_pool, self.router.decode_pool) for w in pool.workers]
@@ -268,7 +299,9 @@ class System:
                                        recent_ttft_p50_s=router.recent_p50(router.recent_first_tokens, now) or 0.0,
                                        recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0,
                                        max_context_tokens=self.limits.max_context_tokens,
-                                       model_context_tokens=self.limits.model_context_tokens)
+                                       model_context_tokens=self.limits.model_context_tokens,
+                                       slo=str(self.config.slo_target), slo_met=router.slo_met,
+                                       slo_finished=router.slo_finished)
         for worker, load in await self.worker_loads():
             failed = isinstance(load, BaseException)
             stats = response.workers.add(worker_id=worker.worker_id, role=worker.info.role, node=worker.info.node,
@@ -289,12 +322,37 @@ class System:
             self.autoscaler.stop()
         if self.http_runner is not None:
             await self.http_runner.cleanup()
-        await self.server.stop(grace=2.0)
+        if self.server is not None:
+            await self.server.stop(grace=2.0)
         self.pools.stop_all()
         gc.unfreeze()  # what start_system froze may be garbage now
 
 
+class PortInUseError(OSError):
+    """A port the system is told to serve on is taken: found before anything starts."""
+
+
+def check_ports_free(config: ServeConfig) -> None:
+    """Binds each fixed port once and lets it go, so a taken one fails in milliseconds, before Ray and
+    the workers start (port 0 picks a free one later). No SO_REUSEPORT here: gRPC sets it on its own
+    sockets, and a second server would otherwise share a running one's port silently."""
+    import socket
+
+    for name, port in (("gRPC", config.port), ("HTTP", config.http_port)):
+        if not port:
+            continue
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+            try:
+                probe.bind((config.host, port))
+            except OSError as error:
+                raise PortInUseError(f"cannot serve {name} on {config.host}:{port}: {error.strerror} "
+                                     f"(--{'http-' if name == 'HTTP' else ''}port)") from None
+
+
 async def start_system(config: ServeConfig) -> System:
+    check_ports_free(config)
     init_ray(config)  # before anything imports ray: the loopback setting is read at import
 
     from engine.tokenizer import load_tokenizer
@@ -311,7 +369,7 @@ async def start_system(config: ServeConfig) -> System:
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
     router = Router(RouterConfig(config.mode, kv_timeout_s=config.kv_timeout_s, limits=admission,
                                  stream_interval=config.stream_interval, pd=config.pd,
-                                 routing=config.routing_config), tokenizer,
+                                 routing=config.routing_config, slo=config.slo_target), tokenizer,
                     WorkerPool("prefill"), WorkerPool(decode_role))
     pools = PoolManager(config, router, epoch=int(time.time()))
     await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
@@ -324,9 +382,14 @@ async def start_system(config: ServeConfig) -> System:
                               vocab_size=infos[0].vocab_size, model_context_tokens=infos[0].model_context_tokens)
     system = System(config, router, None, 0, None, pools, limits)
     servicer = GenerationServicer(router, limits, system.stats, pools.scale, config.credentials)
-    system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port, config.tls)
-    if config.http_port is not None:
-        system.http_runner, system.http_port = await start_http(system, limits)
+    try:
+        system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port,
+                                                                            config.tls)
+        if config.http_port is not None:
+            system.http_runner, system.http_port = await start_http(system, limits)
+    except BaseException:  # a port taken since the check: stop what started, workers included
+        await system.stop()
+        raise
     pools.start_healing()
     if config.autoscale is not None:
         system.autoscaler = AutoscaleLoop(pools, config.autoscale)
@@ -337,10 +400,7 @@ async def start_system(config: ServeConfig) -> System:
     gc.freeze()
     await mark_serving(system.health)
     system.ready = True
-    log.info("pdserve ready on %s: gRPC port %d, HTTP port %s (%s, %s transport, %d prefill + %d decode) in %.1f s",
-             config.host, system.port, system.http_port,
-             config.mode, config.transport, len(router.prefill_pool.workers), len(router.decode_pool.workers),
-             time.monotonic() - started)
+    log.info("%s in %.1f s", system.ready_line(), time.monotonic() - started)
     return system
 
 

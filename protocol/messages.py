@@ -40,6 +40,7 @@ class WorkerInfo:
     dtype: str = "float32"  # the serving dtype, "auto" resolved: every worker of a system must agree
     block_size_tokens: int = 16  # tokens per KV block: the unit of prefix caching and of KV shipped
     kv_block_bytes: int = 0  # one block's KV, all layers
+    dtype_reason: str = ""  # why `dtype`: "asked" or what "auto" saw (engine.weights.dtype_reason), and the CPU's ISA
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class WorkerLoad:
     decode_steps_s: float = 0.0
     borrowed_core_steps: int = 0  # engine steps run on cores borrowed from idle workers (runtime/cores.py)
     lent_core_wait_s: float = 0.0  # time this worker waited for a lent core to come back
+    lent_pauses: int = 0  # decode pauses that lent this worker's cores to a prefill within its TPOT slack
+    lent_pauses_s: float = 0.0
     rss_bytes: int = 0  # the worker process's resident memory
     gpus: tuple[GpuStats, ...] = ()
     gpu_note: str = ""  # why `gpus` is empty ("no GPU (...)")

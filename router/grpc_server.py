@@ -152,7 +152,9 @@ async def start_grpc_server(servicer: GenerationServicer, host: str, port: int,
     """Starts serving (TLS when `tls` is (certificate file, key file), both PEM); returns the server, the
     bound port (port 0 picks one) and the health servicer, which reports NOT_SERVING until the caller
     marks the system ready."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # so_reuseport off: with it (gRPC's default on Linux) a second server binds a running one's port and
+    # the two split its clients silently.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     _add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()

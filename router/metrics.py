@@ -12,10 +12,11 @@ import collections
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from protocol.messages import WorkerLoad
+from router.slo import RESULTS, SLO
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                      5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -72,6 +73,18 @@ class RouterMetrics:
         self.kv_bytes_reused = Counter(
             "pdserve_kv_reused_bytes", "KV bytes not shipped to decode workers because they held those blocks "
             "already", registry=self.registry)
+        # The SLO (router/slo.py): attainment = met / all results; rate(goodput) = vLLM's request goodput.
+        self.slo_requests = Counter(
+            "pdserve_slo_requests", "Completed requests (finish reason stop or length) by how they fared against "
+            "the SLO (--slo): met, ttft_missed, tpot_missed, both_missed", ["result"], registry=self.registry)
+        for result in RESULTS:
+            self.slo_requests.labels(result)
+        self.slo_goodput = Counter("pdserve_slo_goodput_requests", "Completed requests that met both SLO targets "
+                                   "(rate(): goodput, as vLLM's --goodput counts it)", registry=self.registry)
+        self.slo_ttft_target = Gauge("pdserve_slo_ttft_target_seconds", "The SLO's time-to-first-token target",
+                                     registry=self.registry)
+        self.slo_tpot_target = Gauge("pdserve_slo_tpot_target_seconds", "The SLO's time-per-output-token target",
+                                     registry=self.registry)
         self.snapshot = Snapshot()
         self.registry.register(_PoolCollector(self))
 
@@ -87,6 +100,17 @@ class RouterMetrics:
             self.kv_transfer.observe(final.kv_transfer_s)
             self.kv_bytes.observe(final.kv_bytes)
         self.prompt_tokens.inc(final.prompt_tokens)
+
+    def set_slo(self, slo: SLO) -> None:
+        """The targets the router judges requests against (shown as gauges)."""
+        self.slo_ttft_target.set(slo.ttft_s)
+        self.slo_tpot_target.set(slo.tpot_s)
+
+    def observe_slo(self, result: str) -> None:
+        """A completed request's outcome against the SLO: one of router.slo.RESULTS."""
+        self.slo_requests.labels(result).inc()
+        if result == "met":
+            self.slo_goodput.inc()
 
     def set_snapshot(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
@@ -122,6 +146,8 @@ class _PoolCollector:
             ("rss_bytes", "Resident memory of the worker process"),
             ("borrowed_core_steps", "Engine steps the worker ran on cores borrowed from idle workers of its node, since start"),
             ("lent_core_wait_seconds", "Time the worker waited for its lent cores to come back, since start"),
+            ("lent_core_pauses", "Decode pauses that lent the worker's cores to a prefill within its TPOT slack, since start"),
+            ("lent_core_pause_seconds", "Time of those pauses, since start"),
             ("gpu_available", "1 if the worker sees a GPU through NVML, else 0 (see pdserve_worker_gpu_info)"))}
         gpu_info = GaugeMetricFamily("pdserve_worker_gpu_info", "Per worker: its GPU, or why it has none", labels=["worker", "gpu", "name", "note"])
         gpu_memory = GaugeMetricFamily("pdserve_gpu_memory_used_bytes", "GPU memory in use", labels=["worker", "gpu"])
@@ -135,7 +161,8 @@ class _PoolCollector:
                       "kv_blocks_free": load.kv_blocks_free, "kv_blocks_total": load.kv_blocks_total,
                       "kv_cache_usage_ratio": 1 - load.kv_blocks_free / load.kv_blocks_total if load.kv_blocks_total else 0.0,
                       "rss_bytes": load.rss_bytes, "borrowed_core_steps": load.borrowed_core_steps,
-                      "lent_core_wait_seconds": load.lent_core_wait_s, "gpu_available": 1.0 if load.gpus else 0.0}
+                      "lent_core_wait_seconds": load.lent_core_wait_s, "lent_core_pauses": load.lent_pauses,
+                      "lent_core_pause_seconds": load.lent_pauses_s, "gpu_available": 1.0 if load.gpus else 0.0}
             for name, value in values.items():
                 per_worker[name].add_metric(labels, value)
             if not load.gpus:

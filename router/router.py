@@ -30,6 +30,7 @@ from router.output import FinalInfo, Progress, StreamItem
 from router.overload import AdmissionLimits, OverloadedError
 from router.pd_policy import Decision, PDPolicyConfig, decide
 from router.pool import NoWorkerError, WorkerHandle, WorkerPool
+from router.slo import COUNTED_FINISH_REASONS, FAST_SLO, SLO
 from router.token_stream import TokenStreams, joined, open_chunk
 from router.validation import ValidatedRequest
 
@@ -50,6 +51,7 @@ class RouterConfig:
     stream_interval: int = 1
     pd: PDPolicyConfig = PDPolicyConfig()  # where a disaggregated request is prefilled (router/pd_policy.py)
     routing: RoutingConfig = RoutingConfig()  # which worker of a pool (router/kv_index.py)
+    slo: SLO = SLO.parse(FAST_SLO)  # what completed requests are judged against (router/slo.py)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -96,6 +98,8 @@ class Router:
     kv_index: PrefixIndex = field(default_factory=PrefixIndex)  # which worker holds which prefix
     streams: Optional[TokenStreams] = None  # the decode workers' tokens, per request (built with kv_index)
     migrations: int = 0
+    slo_finished: int = 0  # completed requests judged against config.slo (router/slo.py), since start
+    slo_met: int = 0  # of those, the ones that met both targets
     # (monotonic time, TTFT s, queue s) of recent first tokens, and requests waiting for KV room:
     # the autoscaler's signals.
     recent_first_tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
@@ -108,6 +112,7 @@ class Router:
     def __post_init__(self) -> None:
         if self.streams is None:
             self.streams = TokenStreams(self.kv_index)
+        self.metrics.set_slo(self.config.slo)
 
     def recent_p50(self, samples: collections.deque, now_s: float, window_s: float = 30.0) -> Optional[float]:
         """Median of the second field of recent (time, value, ...) samples, or None."""
@@ -164,6 +169,11 @@ class Router:
     def _finished(self, final: FinalInfo) -> None:
         self.requests_completed += 1
         self.metrics.observe_finished(final)
+        if final.finish_reason in COUNTED_FINISH_REASONS:
+            result = self.config.slo.result(final.ttft_s, final.tpot_s if final.completion_tokens > 1 else None)
+            self.slo_finished += 1
+            self.slo_met += result == "met"
+            self.metrics.observe_slo(result)
         log.info("finished (%s): %d prompt (%d cached) + %d completion tokens, TTFT %.1f ms, TPOT %.1f ms, "
                  "KV %d B in %.1f ms, prefill %s, decode %s", final.finish_reason, final.prompt_tokens,
                  final.cached_prompt_tokens, final.completion_tokens, final.ttft_s * 1e3, final.tpot_s * 1e3,

@@ -24,6 +24,12 @@ The agreement is kept in lock files, one per core, in a directory every worker o
   owner waits one layer (milliseconds); it checks `want` before borrowing again too. A borrower that
   stopped (SIGSTOP, a debugger) cannot hold an owner for longer than `owner_wait_s`: the owner then
   runs anyway, logs it, and keeps its `want` lock until it has the core back.
+- Cores are shared by the SLO, not only when idle. A prefill step that could not borrow a core because
+  its owner is busy *asks* for it (a shared lock on the core's `ask` file) and tries again between
+  layers. An owner that is only decoding, whose streams have TPOT slack (`lend_within`: the time each
+  stream is ahead of `CorePolicy.tpot_budget_s` per token, less its next step), lends its home cores
+  to the asker for at most that slack, and at most `max_pause_tpot` TPOT budgets at a time, then takes
+  them back as above. So a prompt prefills on both cores while decoding streams stay within the SLO.
 
 Lock calls are a few microseconds; a step is tens of milliseconds at least.
 """
@@ -57,6 +63,11 @@ class CorePolicy:
     directory: Optional[str] = None
     owner_wait_s: float = 5.0
     poll_s: float = 0.001
+    # The SLO's TPOT: a decoding worker lends its cores to a node's prefill while its streams stay within
+    # it (None: only idle cores are lent). One lending pause is at most `max_pause_tpot` of it (the
+    # longest gap between two tokens it adds).
+    tpot_budget_s: Optional[float] = None
+    max_pause_tpot: float = 4.0
 
     def __post_init__(self) -> None:
         if self.lend not in POLICIES:
@@ -95,6 +106,10 @@ class CoreShare:
         self.home = self._register()
         self._core_fds = [self._open(f"core-{i}") for i in range(self.num_cores)]
         self._want_fds = [self._open(f"want-{i}") for i in range(self.num_cores)]
+        self._ask_fds = [self._open(f"ask-{i}") for i in range(self.num_cores)]
+        self._asks: list[int] = []  # other workers' cores a prefill step under way asks for, lent or not
+        self.lent_pauses = 0  # decode pauses that lent the home cores to a prefill, and their total time
+        self.lent_pauses_s = 0.0
         self._holding_home = False
         self._missing: list[int] = []  # home cores still lent when it stopped waiting for them
         self._registry_stamp: Optional[int] = None
@@ -128,9 +143,9 @@ class CoreShare:
         """Gives the home cores back (a process that just dies gives them back too: its locks go with it,
         and the next registration drops its entry)."""
         self._edit_registry(lambda homes: homes.pop(self._key, None))
-        for fd in self._core_fds + self._want_fds:
+        for fd in self._core_fds + self._want_fds + self._ask_fds:
             os.close(fd)
-        self._core_fds = self._want_fds = []
+        self._core_fds = self._want_fds = self._ask_fds = []
 
     def _edit_registry(self, edit: Callable[[dict], Any]) -> Any:
         """Runs `edit` on the live workers' entries under the registry's lock and writes them back."""
@@ -199,21 +214,72 @@ class CoreShare:
     @contextlib.contextmanager
     def step(self, is_prefill: bool) -> Iterator[Optional[Callable[[], None]]]:
         """Runs one engine step on the home threads plus any idle cores the policy lets it borrow. Yields
-        what the model should call between layers (None when nothing was borrowed): it hands a borrowed
-        core back at once when its owner wants it, so an owner waits one layer, not a whole step."""
+        what the model should call between layers (None when there is nothing to do there): it hands a
+        borrowed core back at once when its owner wants it, so an owner waits one layer, not a whole step;
+        a prefill step also asks for the busy cores it could not borrow, and takes them when lent."""
         lends = self.policy.lend == "all" or (self.policy.lend == "prefill" and is_prefill)
         self._borrowed = self._borrow() if lends else []
+        if is_prefill and self.policy.tpot_budget_s is not None and not self._home_shared:
+            self._ask(sorted(self._lendable()))  # held for the whole step: an owner lends until it ends
         if self._borrowed:
             self._use_threads(self.home_threads + len(self._borrowed))
             self.borrowed_steps += 1
         try:
-            yield self._hand_back_wanted if self._borrowed else None
+            yield self._between_layers if self._borrowed or self._asks else None
         finally:
+            self._ask([])
             if self._borrowed:
                 self._use_threads(self.home_threads)
                 for core in self._borrowed:
                     fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
                 self._borrowed = []
+
+    def _between_layers(self) -> None:
+        self._hand_back_wanted()
+        taken = [core for core in self._asks if core not in self._borrowed and self._try_borrow(core)]
+        if taken:
+            if not self._borrowed:
+                self.borrowed_steps += 1
+            self._borrowed += taken
+            self._use_threads(self.home_threads + len(self._borrowed))
+
+    def _ask(self, cores: list[int]) -> None:
+        """Holds the `ask` lock of exactly `cores`: their busy owners may lend them (`lend_within`)."""
+        for core in set(self._asks) - set(cores):
+            fcntl.flock(self._ask_fds[core], fcntl.LOCK_UN)
+        for core in set(cores) - set(self._asks):
+            fcntl.flock(self._ask_fds[core], fcntl.LOCK_SH)
+        self._asks = list(cores)
+
+    def lend_within(self, slack_s: float, meanwhile: Callable[[], None] = lambda: None) -> float:
+        """Between two decode steps of a busy worker: if a prefill on the node asks for its home cores,
+        lends them for at most `slack_s` (what its streams can wait without missing the TPOT budget) and
+        at most `max_pause_tpot` budgets, or until nobody asks; then takes them back. `meanwhile` runs
+        every poll (the worker's calls and transport polls). Returns the pause."""
+        budget_s = self.policy.tpot_budget_s
+        if budget_s is None or not self._holding_home or self._missing or self._home_shared:
+            return 0.0
+        pause_s = min(slack_s, self.policy.max_pause_tpot * budget_s)
+        if pause_s <= 0.005 or not self._asked():
+            return 0.0
+        started = time.monotonic()
+        self.idle()
+        while time.monotonic() - started < pause_s and self._asked():
+            time.sleep(self.policy.poll_s)
+            meanwhile()
+        self.busy()
+        paused_s = time.monotonic() - started
+        self.lent_pauses += 1
+        self.lent_pauses_s += paused_s
+        return paused_s
+
+    def _asked(self) -> bool:
+        """Whether a prefill step asks for one of the home cores now."""
+        for core in self.home:
+            if not _try_lock(self._ask_fds[core], fcntl.LOCK_EX):
+                return True
+            fcntl.flock(self._ask_fds[core], fcntl.LOCK_UN)
+        return False
 
     def _hand_back_wanted(self) -> None:
         wanted = [core for core in self._borrowed if not _try_lock(self._want_fds[core], fcntl.LOCK_EX)]
@@ -258,14 +324,13 @@ class CoreShare:
             # Its home core is another worker's too, and that one may be computing on it: threads beyond
             # the cores already. Borrowing would add one more.
             return []
-        borrowed = []
-        for core in sorted(lendable):
-            if not _try_lock(self._want_fds[core], fcntl.LOCK_EX):
-                continue  # its owner is waiting for it
-            fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
-            if _try_lock(self._core_fds[core], fcntl.LOCK_EX):
-                borrowed.append(core)
-        return borrowed
+        return [core for core in sorted(lendable) if self._try_borrow(core)]
+
+    def _try_borrow(self, core: int) -> bool:
+        if not _try_lock(self._want_fds[core], fcntl.LOCK_EX):
+            return False  # its owner is waiting for it
+        fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
+        return _try_lock(self._core_fds[core], fcntl.LOCK_EX)
 
 
 def _try_lock(fd: int, kind: int) -> bool:

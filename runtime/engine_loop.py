@@ -13,11 +13,12 @@ hand each output to `on_output` (still on the loop thread), then to the request'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from engine.llm_engine import LLMEngine, RequestOutput
 from runtime.cores import CoreShare
@@ -25,6 +26,9 @@ from runtime.cores import CoreShare
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # with nothing to run, how long to sleep before polling hooks again
+# Lending within the TPOT budget counts on a stream running this many more tokens at most (or to its
+# max_tokens): one that stops sooner, at EOS, can end a little over the budget
+_SLACK_HORIZON_TOKENS = 64
 
 
 class EngineLoop:
@@ -42,6 +46,7 @@ class EngineLoop:
         self._on_output = on_output
         self._busy_wait_s = busy_wait_s  # sleep between polls while hooks expect events (transfers)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._mid_step_calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._listeners_lock = threading.Lock()
@@ -58,10 +63,13 @@ class EngineLoop:
 
     # -- asyncio side --------------------------------------------------------------------------
 
-    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+    def call(self, fn: Callable[[], Any], mid_step: bool = False) -> asyncio.Future:
+        """Runs `fn` on the loop thread between two engine steps; with `mid_step`, also at a layer boundary
+        of a step under way (for calls that only set free blocks aside, such as a KV reservation: a decode
+        step is tens of milliseconds, and a prompt's TTFT waits for its reservation)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._calls.put((fn, loop, future))
+        (self._mid_step_calls if mid_step else self._calls).put((fn, loop, future))
         self._wake.set()
         return future
 
@@ -109,15 +117,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
-            self._run_calls()
-            for hook in self._hooks:
-                try:
-                    hook()
-                except Exception:  # a broken hook must not kill every request on this worker
-                    log.exception("engine loop hook %s failed", getattr(hook, "__name__", hook))
+            self._between_steps()
             if self.engine.has_unfinished():
                 if self.cores is not None:
                     self.cores.busy()
+                    slack_s = self._decode_slack_s()
+                    if slack_s is not None:  # while lent, calls and transport polls still run
+                        self.cores.lend_within(slack_s, self._between_steps)
                 self._step()
             self._flush_channel()
             if not self.engine.has_unfinished():
@@ -126,6 +132,29 @@ class EngineLoop:
                 self._wake.wait(self._busy_wait_s if self.expecting_events() else _IDLE_WAIT_S)
                 self._wake.clear()
 
+    def _decode_slack_s(self) -> Optional[float]:
+        """How long the next decode step may wait with every running stream still expected to end within
+        the TPOT budget (`CorePolicy.tpot_budget_s`, less a tenth for safety): None when the worker has
+        prompt work of its own or no budget is set. A stream's clock starts when it started decoding here,
+        and it is expected to run to its max_tokens, at most `_SLACK_HORIZON_TOKENS` more, at the mean
+        decode step: so a young stream may lend the time it will save later, not only what it saved."""
+        budget_s = self.cores.policy.tpot_budget_s
+        scheduler = self.engine.scheduler
+        if budget_s is None or scheduler.waiting or not scheduler.running or not self.decode_steps:
+            return None
+        if any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in scheduler.running):
+            return None
+        step_s = self.decode_steps_s / self.decode_steps
+        now = time.monotonic()
+
+        def slack_s(seq) -> float:
+            tokens = len(seq.output_token_ids)
+            final_tokens = max(tokens, min(seq.params.max_tokens, tokens + _SLACK_HORIZON_TOKENS))
+            return (0.9 * budget_s * final_tokens - (now - seq.arrival_time_s)
+                    - (final_tokens - tokens + 1) * step_s)
+
+        return min(slack_s(seq) for seq in scheduler.running)
+
     def _flush_channel(self) -> None:
         current = self._channel  # read once: another thread may close it meanwhile
         if current is not None and self._channel_batch:
@@ -133,10 +162,32 @@ class EngineLoop:
             batch, self._channel_batch = self._channel_batch, []
             loop.call_soon_threadsafe(channel.put_nowait, batch)
 
-    def _run_calls(self) -> None:
+    def _between_steps(self) -> None:
+        self._run_calls(self._calls)
+        self._run_calls(self._mid_step_calls)
+        for hook in self._hooks:
+            try:
+                hook()
+            except Exception:  # a broken hook must not kill every request on this worker
+                log.exception("engine loop hook %s failed", getattr(hook, "__name__", hook))
+
+    @contextlib.contextmanager
+    def _compute(self, batch) -> Iterator[Callable[[], None]]:
+        """Wraps a step's forward pass: its cores (borrowed, asked for) and, between layers, the calls
+        that may run mid-step."""
+        with (self.cores.step(batch.is_prefill) if self.cores is not None else contextlib.nullcontext()) as cores_hook:
+            def between_layers() -> None:
+                if cores_hook is not None:
+                    cores_hook()
+                if not self._mid_step_calls.empty():
+                    self._run_calls(self._mid_step_calls)
+
+            yield between_layers
+
+    def _run_calls(self, calls: queue.SimpleQueue) -> None:
         while True:
             try:
-                fn, loop, future = self._calls.get_nowait()
+                fn, loop, future = calls.get_nowait()
             except queue.Empty:
                 return
             try:
@@ -151,10 +202,7 @@ class EngineLoop:
         self.max_batch_size_seen = max(self.max_batch_size_seen, running)
         started = time.monotonic()
         try:
-            if self.cores is None:
-                outputs = self.engine.step()
-            else:
-                outputs = self.engine.step(lambda batch: self.cores.step(batch.is_prefill))
+            outputs = self.engine.step(self._compute)
         except Exception as error:
             log.exception("engine step failed; failing the requests in it")
             for request_id in [s.request_id for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)]:

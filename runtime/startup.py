@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.weights import resolve_device
+from engine.weights import dtype_reason, resolve_device
 from protocol.messages import WorkerInfo
 from runtime.cores import CorePolicy, CoreShare
 
@@ -66,7 +66,15 @@ def describe(engine: LLMEngine, worker_id: str, role: str, kv_address: Optional[
     """The worker's `info()`: who it is and what it can serve."""
     return WorkerInfo(worker_id, role, node_name(), kv_address, engine.allocator.num_blocks, engine.max_model_len,
                       engine.model_config.vocab_size, engine.model_config.max_context_tokens, torch.get_num_threads(),
-                      engine.layout.dtype, engine.layout.block_size_tokens, engine.layout.bytes_per_block)
+                      engine.layout.dtype, engine.layout.block_size_tokens, engine.layout.bytes_per_block,
+                      _dtype_reason(engine.config))
+
+
+def _dtype_reason(config: EngineConfig) -> str:
+    where = (torch.cuda.get_device_name(config.device) if torch.device(config.device).type == "cuda"
+             else f"CPU {torch.backends.cpu.get_cpu_capability()}")
+    reason = dtype_reason(config.dtype, config.device)
+    return reason if reason.startswith("auto") else f"{reason}; {where}"
 
 
 def node_name() -> str:

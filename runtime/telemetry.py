@@ -68,7 +68,8 @@ async def load_report(worker_id: str, loop, served: Callable[[], int],
         return WorkerLoad(worker_id, len(scheduler.running), len(scheduler.waiting) + waiting_outside_engine(),
                           allocator.num_free_blocks, allocator.num_blocks, served(), loop.max_batch_size_seen,
                           loop.decode_steps, loop.decode_steps_s,
-                          loop.cores.borrowed_steps if loop.cores else 0, loop.cores.owner_waits_s if loop.cores else 0.0)
+                          loop.cores.borrowed_steps if loop.cores else 0, loop.cores.owner_waits_s if loop.cores else 0.0,
+                          loop.cores.lent_pauses if loop.cores else 0, loop.cores.lent_pauses_s if loop.cores else 0.0)
 
     gpus, gpu_note = gpu_stats()
     return dataclasses.replace(await loop.call(snapshot), gpus=gpus, gpu_note=gpu_note, rss_bytes=rss_bytes())

@@ -1,6 +1,8 @@
 """bf16 end to end (the dtype the benchmarks serve): a disaggregated system (1 prefill + 1 decode, ray
 transport) gives the single-process bf16 engine's greedy tokens for the same prompt token ids."""
 
+import time
+
 import pytest
 import torch
 
@@ -46,3 +48,52 @@ def test_bf16_system_equals_the_bf16_engine(bf16_system, expected):
             assert shipped % layout.bytes_per_block == 0
     stats = bf16_system.wait_idle()
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(harness):
+    """1 prefill + 2 decode workers in bf16 over grpc: a decode worker dies, the other takes the stream."""
+    system = harness.start(dtype="bfloat16", transport="grpc", num_prefill=1, num_decode=2)
+    yield system
+    system.stop()
+
+
+def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_tokens_sent(bf16_pair):
+    """bf16's guarantee (docs/reliability.md): greedy tokens depend on the batch a request shares, so a
+    migrated stream need not equal an unfaulted run's. What holds: the client gets every token once, in
+    order, with none repeated or missing, and what follows the cut is the greedy continuation of the prompt
+    plus the tokens already sent (what the single-process bf16 engine gives for that, alone)."""
+    import ray
+
+    from tests.test_faults import MAX_TOKENS as FAULT_MAX_TOKENS, PROMPT, _Stream, _wait_healed
+
+    router = bf16_pair.system.router
+    migrations_before = router.migrations
+    stream = _Stream(bf16_pair, "bf16-decode-killed")
+    deadline = time.monotonic() + 60
+    while len(stream.tokens) < 5:
+        assert time.monotonic() < deadline and stream.ended_s is None, "the request never reached decode"
+        time.sleep(0.005)
+    victim = router.in_flight["bf16-decode-killed"].route.decode
+    sent_before_kill = len(stream.tokens)
+    ray.kill(victim.actor, no_restart=True)
+    stream.join()
+    assert stream.error is None, stream.error
+    assert router.migrations == migrations_before + 1
+    assert len(stream.tokens) == FAULT_MAX_TOKENS  # ignore_eos: every token once, none missing or repeated
+    assert stream.final.decode_worker != victim.worker_id
+
+    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20))
+    prompt = engine.tokenizer.encode(PROMPT)
+    # The router cut the stream at the tokens it had received when the worker died: at least those the
+    # client had seen, at most a few more that were on their way.
+    continuations = []
+    for cut in range(sent_before_kill, min(sent_before_kill + 8, FAULT_MAX_TOKENS)):
+        rest = engine.generate([prompt + stream.tokens[:cut]], SamplingParams(
+            max_tokens=FAULT_MAX_TOKENS - cut, temperature=0, ignore_eos=True))[0].token_ids
+        continuations.append(cut)
+        if list(rest) == stream.tokens[cut:]:
+            break
+    else:
+        raise AssertionError(f"no cut in {continuations} continues greedily into what the client got")
+    _wait_healed(bf16_pair)

@@ -153,3 +153,48 @@ def test_the_policy_is_checked():
     with pytest.raises(ValueError, match="--lend-cores"):
         CorePolicy("sometimes")
     assert str(CorePolicy().path).endswith(f"pdserve-cores-{os.getuid()}")
+
+
+def test_a_decoding_worker_lends_its_core_to_an_asking_prefill_within_its_slack_and_gets_it_back(node):
+    """Sharing by the SLO: a prefill step asks for a busy worker's core; the busy worker, between two
+    decode steps, lends it for at most its streams' slack; the prefill takes it at its next layer and
+    hands it back at the one after the owner wants it."""
+    prefill, decoder = node(lend="all", tpot_budget_s=0.05), node(lend="all", tpot_budget_s=0.05)
+    decoder.busy()
+    assert decoder.lend_within(1.0) == 0.0  # nobody asks
+    with prefill.step(is_prefill=True) as between_layers:
+        assert prefill.threads == 1 and between_layers is not None  # asking
+        assert decoder.lend_within(0.001) == 0.0  # too little slack to be worth a pause
+        lending = threading.Thread(target=decoder.lend_within, args=(1.0,))
+        lending.start()
+        deadline = time.monotonic() + 5
+        while prefill.threads == 1:  # the next layer boundary takes the lent core
+            assert time.monotonic() < deadline, "the lent core was never taken"
+            time.sleep(0.005)
+            between_layers()
+        assert prefill.borrowed_steps == 1
+        time.sleep(0.35)  # the owner's pause ends (at most max_pause_tpot budgets: 0.2 s); it wants its core
+        between_layers()
+        assert prefill.threads == 1
+        lending.join(5)
+        assert not lending.is_alive()
+    assert decoder.lent_pauses == 1 and 0.2 <= decoder.lent_pauses_s < 1.0
+    assert prefill.calls == [2, 1]
+
+
+def test_a_pause_ends_when_the_prefill_step_ends_and_no_budget_means_no_pause(node):
+    prefill, decoder = node(lend="all", tpot_budget_s=0.5), node(lend="all", tpot_budget_s=0.5)
+    decoder.busy()
+    with prefill.step(is_prefill=True):
+        lending = threading.Thread(target=decoder.lend_within, args=(10.0,))
+        lending.start()
+        time.sleep(0.05)
+    lending.join(5)  # nobody asks any more: the owner takes its core back long before its slack is spent
+    assert not lending.is_alive() and decoder.lent_pauses_s < 0.5
+    prefill.close()
+    decoder.close()
+    plain, busy = node(lend="all"), node(lend="all")
+    assert {plain.home, busy.home} == {(0,), (1,)}
+    busy.busy()
+    with plain.step(is_prefill=True) as between_layers:
+        assert between_layers is None and busy.lend_within(10.0) == 0.0  # no TPOT budget: only idle cores lent
