@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.fused_ops import fused_ops_for
 
 if TYPE_CHECKING:
     from engine.paged_attention import PagedDecodeAttention
@@ -53,6 +54,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_ops_for(x)
+        if fused is not None:
+            return fused.rms_norm(x.contiguous(), self.weight, self.eps)
         # One fused op; it accumulates in fp32 for bf16 inputs, like the reference's upcast.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
@@ -130,7 +134,12 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k side by side in each row: one rotation for both
-        qk = apply_rope(qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+        fused = fused_ops_for(qkv)
+        if fused is not None:
+            qk = fused.rope(qkv, c.num_heads + c.num_kv_heads, c.head_dim, cos, sin)
+        else:
+            qk = apply_rope(qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim),
+                            cos, sin)
         q, k = qk.split((c.num_heads, c.num_kv_heads), dim=1)
         v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
         # k/v caches: [num_blocks, block_size, kv_heads, head_dim]; write this batch's tokens.
@@ -239,7 +248,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = fused_ops_for(gate_up)
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -252,8 +265,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        fused = fused_ops_for(x)
+        if fused is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # bf16 on CPU: the residual stream is updated in place, its add fused into the norm after it
+        norm = self.post_attention_layernorm
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        return fused.add_(x, self.mlp(fused.rms_norm(x, norm.weight, norm.eps, residual=attn)))
 
 
 class LlamaModel(nn.Module):

@@ -58,8 +58,9 @@ def _cpu_features() -> str:
     return os.uname().machine
 
 
-def build(compiler: Optional[str] = None) -> Path:
-    """Compiles the kernel unless a build for this source, compiler and CPU is cached; returns the .so."""
+def build(compiler: Optional[str] = None, source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compiles `source` (a C file of engine/csrc, with CFLAGS and `extra_flags`) unless a build of it for
+    this compiler and CPU is cached; returns the .so."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise KernelBuildError("no C compiler found (set CC)")
@@ -67,14 +68,15 @@ def build(compiler: Optional[str] = None) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), str(OPENMP_FLAGS), version, _cpu_features()]).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_attention-{key}.so"
+    flags = (*CFLAGS, *extra_flags)
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), str(OPENMP_FLAGS), version, _cpu_features()]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
 
     def compile_to(path: str) -> None:
         for openmp in OPENMP_FLAGS:
-            result = subprocess.run([compiler, *CFLAGS, *openmp, "-o", path, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
+            result = subprocess.run([compiler, *flags, *openmp, "-o", path, str(source), "-lm"], capture_output=True, text=True, timeout=120)
             if result.returncode == 0:
                 return
         raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")

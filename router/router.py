@@ -174,10 +174,11 @@ class Router:
             self.slo_finished += 1
             self.slo_met += result == "met"
             self.metrics.observe_slo(result)
-        log.info("finished (%s): %d prompt (%d cached) + %d completion tokens, TTFT %.1f ms, TPOT %.1f ms, "
-                 "KV %d B in %.1f ms, prefill %s, decode %s", final.finish_reason, final.prompt_tokens,
-                 final.cached_prompt_tokens, final.completion_tokens, final.ttft_s * 1e3, final.tpot_s * 1e3,
-                 final.kv_bytes, final.kv_transfer_s * 1e3, final.prefill_worker or "-", final.decode_worker)
+        log.info("finished (%s): %d prompt (%d cached) + %d completion tokens, TTFT %.1f ms (queue %.1f, prefill "
+                 "%.1f), TPOT %.1f ms, KV %d B in %.1f ms, prefill %s, decode %s", final.finish_reason,
+                 final.prompt_tokens, final.cached_prompt_tokens, final.completion_tokens, final.ttft_s * 1e3,
+                 final.queue_s * 1e3, final.prefill_s * 1e3, final.tpot_s * 1e3, final.kv_bytes,
+                 final.kv_transfer_s * 1e3, final.prefill_worker or "-", final.decode_worker)
 
     def _settle(self, record: _Request) -> None:
         """Forgets a request's current attempt: counters down, and an abort wherever it may still hold blocks."""

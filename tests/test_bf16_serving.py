@@ -83,12 +83,17 @@ def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_token
     assert len(stream.tokens) == FAULT_MAX_TOKENS  # ignore_eos: every token once, none missing or repeated
     assert stream.final.decode_worker != victim.worker_id
 
-    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20))
-    prompt = engine.tokenizer.encode(PROMPT)
+    config = EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20)
+    loaded = LLMEngine(config).loaded
+    prompt = loaded.tokenizer.encode(PROMPT)
     # The router cut the stream at the tokens it had received when the worker died: at least those the
-    # client had seen, at most a few more that were on their way.
+    # client had seen, at most a few more that were on their way. It re-prefilled prompt + those tokens
+    # on the prefill worker, which held the prompt's blocks from the first prefill (bf16 rounds a prefix
+    # read from the cache otherwise than one computed in the same pass): the reference does the same.
     continuations = []
     for cut in range(sent_before_kill, min(sent_before_kill + 8, FAULT_MAX_TOKENS)):
+        engine = LLMEngine(config, loaded=loaded)
+        engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
         rest = engine.generate([prompt + stream.tokens[:cut]], SamplingParams(
             max_tokens=FAULT_MAX_TOKENS - cut, temperature=0, ignore_eos=True))[0].token_ids
         continuations.append(cut)

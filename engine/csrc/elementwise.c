@@ -1,0 +1,123 @@
+/* The elementwise parts of a bf16 transformer layer on CPU, fused: torch's bf16 kernels for these run
+ * at well under a tenth of the memory speed on a 512-token prompt (an RMSNorm of [512, 576] takes
+ * 0.4 ms on one core), and a layer has five of them.
+ *
+ * All tensors are bf16 (as uint16), row-major and contiguous unless a row stride is given. Math is in
+ * fp32, each result rounded to bf16 once (round to nearest even). Rows run in parallel over
+ * `num_threads` OpenMP threads of torch's own runtime (libgomp.so.1, as in paged_attention.c). Built
+ * with -ffinite-math-only (engine/fused_ops.py): a NaN or infinite input gives an undefined result.
+ */
+#include <math.h>
+#include <stdint.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+    return (uint16_t)rounded;
+}
+
+/* exp(x), about 1 ulp, written so that it vectorizes (libm's expf does not without -ffast-math): Cephes'
+ * range reduction and polynomial, x clamped to [-87, 88]. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* With `residual`: x += residual first (in place). Then out = x / rms(x) * weight, per row of `cols`. */
+int add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                      int64_t rows, int64_t cols, float eps, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *xr = x + r * cols;
+        float sum = 0.f;
+        if (residual) {
+            const uint16_t *rr = residual + r * cols;
+#pragma omp simd reduction(+:sum)
+            for (int64_t c = 0; c < cols; c++) {
+                uint16_t v = float_to_bf16(bf16_to_float(xr[c]) + bf16_to_float(rr[c]));
+                xr[c] = v;
+                float f = bf16_to_float(v);
+                sum += f * f;
+            }
+        } else {
+#pragma omp simd reduction(+:sum)
+            for (int64_t c = 0; c < cols; c++) {
+                float f = bf16_to_float(xr[c]);
+                sum += f * f;
+            }
+        }
+        const float rstd = 1.0f / sqrtf(sum / (float)cols + eps);
+        uint16_t *outr = out + r * cols;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; c++) {
+            outr[c] = float_to_bf16(bf16_to_float(xr[c]) * rstd * bf16_to_float(weight[c]));
+        }
+    }
+    return 0;
+}
+
+/* x += y, in place. */
+int add_bf16(uint16_t *x, const uint16_t *y, int64_t numel, int64_t num_threads) {
+#pragma omp parallel for simd num_threads(num_threads) schedule(static) if (numel > 65536)
+    for (int64_t i = 0; i < numel; i++) {
+        x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(y[i]));
+    }
+    return 0;
+}
+
+/* out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]. */
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *restrict g = gate_up + r * 2 * inter;
+        const uint16_t *restrict u = gate_up + r * 2 * inter + inter;
+        uint16_t *restrict o = out + r * inter;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; j++) {
+            const float gf = bf16_to_float(g[j]);
+            o[j] = float_to_bf16(gf / (1.0f + exp_approx(-gf)) * bf16_to_float(u[j]));
+        }
+    }
+    return 0;
+}
+
+/* Rotary embedding of `heads` heads of `head_dim` at the start of each row of x (row stride `x_stride`
+ * elements; q and k side by side): out[r, h, d] = x*cos + swap_halves(x)*signed_sin, cos and signed_sin
+ * [rows, head_dim] (rotate_half's sign folded into signed_sin). out is contiguous [rows, heads, head_dim]. */
+int rope_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *signed_sin, uint16_t *out,
+              int64_t rows, int64_t heads, int64_t head_dim, int64_t num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *cr = cos + r * head_dim, *sr = signed_sin + r * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xh = x + r * x_stride + h * head_dim;
+            uint16_t *oh = out + (r * heads + h) * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) {
+                const int64_t other = d < half ? d + half : d - half;
+                oh[d] = float_to_bf16(bf16_to_float(xh[d]) * bf16_to_float(cr[d])
+                                      + bf16_to_float(xh[other]) * bf16_to_float(sr[d]));
+            }
+        }
+    }
+    return 0;
+}
