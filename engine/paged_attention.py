@@ -69,7 +69,9 @@ def build(compiler: Optional[str] = None, source: Path = SOURCE, extra_flags: tu
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
     flags = (*CFLAGS, *extra_flags)
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), str(OPENMP_FLAGS), version, _cpu_features()]).encode()).hexdigest()[:16]
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]  # what it may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), str(OPENMP_FLAGS), version,
+                                     _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target

@@ -10,35 +10,13 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
+#include "cpu_math.h"
 
 static inline uint16_t float_to_bf16(float f) {
     union { uint32_t u; float f; } v;
     v.f = f;
     const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
     return (uint16_t)rounded;
-}
-
-/* exp(x), about 1 ulp, written so that it vectorizes (libm's expf does not without -ffast-math): Cephes'
- * range reduction and polynomial, x clamped to [-87, 88]. */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
 }
 
 /* With `residual`: x += residual first (in place). Then out = x / rms(x) * weight, per row of `cols`. */

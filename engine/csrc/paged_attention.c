@@ -22,35 +22,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_HEAD_DIM 256
+#include "cpu_math.h"
 
-/* exp for x <= 0 (softmax after subtracting the max), written so that it vectorizes: Cephes' expf
- * range reduction and polynomial, about 1 ulp. libm's expf does not vectorize without -ffast-math. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
+#define MAX_HEAD_DIM 256
 
 /* Offset of token t's row (all kv heads) in a cache, through the sequence's block table. */
 static inline int64_t row_offset(const int64_t *table, int64_t t, int64_t block_size, int64_t row_size) {
     return (table[t / block_size] * block_size + t % block_size) * row_size;
-}
-
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
 }
 
 /* Each of `rows` rows of `len` scores becomes its softmax, in place. */
@@ -60,7 +38,7 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
 #pragma omp simd reduction(max:top)
         for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
 #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < len; t++) { sg[t] = exp_nonpositive(sg[t] - top); sum += sg[t]; }
+        for (int64_t t = 0; t < len; t++) { sg[t] = exp_approx(sg[t] - top); sum += sg[t]; }
         const float inv = 1.f / sum;
 #pragma omp simd
         for (int64_t t = 0; t < len; t++) sg[t] *= inv;
