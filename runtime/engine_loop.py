@@ -134,7 +134,7 @@ class EngineLoop:
 
     def _decode_slack_s(self) -> Optional[float]:
         """How long the next decode step may wait with every running stream still expected to end within
-        the TPOT budget (`CorePolicy.tpot_budget_s`, less a tenth for safety): None when the worker has
+        its share of the TPOT budget (`CorePolicy.tpot_budget_s` x `tpot_share`): None when the worker has
         prompt work of its own or no budget is set. A stream's clock starts when it started decoding here,
         and it is expected to run to its max_tokens, at most `_SLACK_HORIZON_TOKENS` more, at the mean
         decode step: so a young stream may lend the time it will save later, not only what it saved."""
@@ -145,12 +145,13 @@ class EngineLoop:
         if any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in scheduler.running):
             return None
         step_s = self.decode_steps_s / self.decode_steps
+        share = self.cores.policy.tpot_share
         now = time.monotonic()
 
         def slack_s(seq) -> float:
             tokens = len(seq.output_token_ids)
             final_tokens = max(tokens, min(seq.params.max_tokens, tokens + _SLACK_HORIZON_TOKENS))
-            return (0.9 * budget_s * final_tokens - (now - seq.arrival_time_s)
+            return (share * budget_s * final_tokens - (now - seq.arrival_time_s)
                     - (final_tokens - tokens + 1) * step_s)
 
         return min(slack_s(seq) for seq in scheduler.running)

@@ -65,7 +65,7 @@ def test_the_slack_is_what_the_youngest_stream_can_spare_and_none_with_prompt_wo
     seq.arrival_time_s = time.monotonic() - 0.010  # started decoding 10 ms ago
     tokens = len(seq.output_token_ids)
     final = min(100, tokens + 64)
-    expected = 0.9 * 0.05 * final - 0.010 - (final - tokens + 1) * step_s
+    expected = loop.cores.policy.tpot_share * 0.05 * final - 0.010 - (final - tokens + 1) * step_s
     assert loop._decode_slack_s() == pytest.approx(expected, abs=0.005)
     seq.arrival_time_s = time.monotonic() - 10  # far behind its budget: nothing to lend
     assert loop._decode_slack_s() < 0
