@@ -28,7 +28,7 @@ def run_demo(transport: str, dtype: str, device: str = "auto") -> int:
     print(f"starting Ray, 1 prefill + 1 decode worker ({transport} KV transport, {dtype}) ...", flush=True)
     system = asyncio.run_coroutine_threadsafe(
         start_system(config), loop).result(timeout=300)
-    print(f"serving on 127.0.0.1:{system.port}; sending {len(PROMPTS)} chat prompts at once\n", flush=True)
+    print(f"{system.ready_line()}\nsending {len(PROMPTS)} chat prompts at once\n", flush=True)
     lock = threading.Lock()
 
     def ask(index: int, prompt: str):
