@@ -162,8 +162,11 @@ def test_a_kv_cache_smaller_than_the_context_bounds_what_is_served(tiny):
     assert engine.scheduler.num_preemptions == 0 and engine.allocator.num_free_blocks == 6
 
 
-def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_natively(tiny):
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_natively(tiny, monkeypatch):
+    from engine.config import AUTO_DTYPE_ENV
     from engine.weights import auto_dtype, parse_dtype
+
+    monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)  # the CPU's own choice (tests/test_start_line.py: the override)
 
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     assert auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
