@@ -267,7 +267,7 @@ class System:
         return (f"pdserve ready on {config.host}: gRPC port {self.port}{http}; {config.mode}, {config.transport} "
                 f"transport; {'; '.join(pools)}; dtype {info.dtype} ({info.dtype_reason}); context "
                 f"{self.limits.max_context_tokens} tokens (model {self.limits.model_context_tokens}); "
-                f"SLO {config.slo_target}")
+                f"SLO {router.config.slo}")
 
     async def worker_loads(self) -> list:
         """(handle, WorkerLoad or the exception it raised) for every worker of both pools, asked at once."""
@@ -300,7 +300,7 @@ class System:
                                        recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0,
                                        max_context_tokens=self.limits.max_context_tokens,
                                        model_context_tokens=self.limits.model_context_tokens,
-                                       slo=str(self.config.slo_target), slo_met=router.slo_met,
+                                       slo=str(router.config.slo), slo_met=router.slo_met,
                                        slo_finished=router.slo_finished)
         for worker, load in await self.worker_loads():
             failed = isinstance(load, BaseException)

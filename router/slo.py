@@ -9,6 +9,7 @@ the rate of completed requests that met both targets. Torch-free: the router imp
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -101,12 +102,13 @@ def auto_slo(dtype: str, device: str, cpu_flags: Optional[set[str]] = None) -> s
     return FP32_CPU_SLO
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:  # read once per process: ServeConfig.slo_target resolves it often
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()

@@ -264,11 +264,11 @@ class CoreShare:
         if budget_s is None or not self._holding_home or self._missing or self._home_shared:
             return 0.0
         pause_s = min(slack_s, self.policy.max_pause_tpot * budget_s)
-        if pause_s <= 0.005 or not self._asked():
+        if pause_s <= 0.005 or not self.asked():
             return 0.0
         started = time.monotonic()
         self.idle()
-        while time.monotonic() - started < pause_s and self._asked():
+        while time.monotonic() - started < pause_s and self.asked():
             time.sleep(self.policy.poll_s)
             meanwhile()
         self.busy()
@@ -277,7 +277,7 @@ class CoreShare:
         self.lent_pauses_s += paused_s
         return paused_s
 
-    def _asked(self) -> bool:
+    def asked(self) -> bool:
         """Whether a prefill step asks for one of the home cores now."""
         for core in self.home:
             if not _try_lock(self._ask_fds[core], fcntl.LOCK_EX):

@@ -121,7 +121,8 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 if self.cores is not None:
                     self.cores.busy()
-                    slack_s = self._decode_slack_s()
+                    # The streams' slack is worked out only when a prefill asks for the cores (a few flock calls)
+                    slack_s = self._decode_slack_s() if self.cores.asked() else None
                     if slack_s is not None:  # while lent, calls and transport polls still run
                         self.cores.lend_within(slack_s, self._between_steps)
                 self._step()
