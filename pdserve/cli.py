@@ -24,7 +24,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt as one user turn")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs this process may use, runtime/cpus.py)")
     p.set_defaults(handler=_generate)
 
 
@@ -37,10 +37,11 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
     )
     from engine.weights import resolve_device
+    from runtime.cpus import usable_cpus
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=resolve_device(args.device),
                                     cuda_graphs=not args.enforce_eager,
-                                    num_threads=args.threads or os.cpu_count()))
+                                    num_threads=args.threads or usable_cpus()))
     if engine.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer, so it cannot take a text prompt")
     prompt = args.prompt

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from router.slo import DEFAULT_SLO, SLO  # torch-free
+from runtime.cpus import usable_cpus  # torch-free
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class ServeConfig:
         if self.address != "local":
             return 1.0
         workers = self.num_decode + (self.num_prefill if self.mode == "disaggregated" else 0)
-        return (os.cpu_count() or 1) / max(_LOCAL_WORKER_SLOTS, workers)
+        return usable_cpus() / max(_LOCAL_WORKER_SLOTS, workers)
 
     @property
     def pd(self):
@@ -217,7 +218,7 @@ def init_ray(config: ServeConfig) -> None:
         return
     if config.address == "local":
         workers = config.num_decode + (config.num_prefill if config.mode == "disaggregated" else 0)
-        local = dict(address="local", num_cpus=max(os.cpu_count() or 1, int(workers * config.worker_cpus + 0.999)),
+        local = dict(address="local", num_cpus=max(usable_cpus(), int(workers * config.worker_cpus + 0.999)),
                      include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=config.object_store_bytes,
                      log_to_driver=False, configure_logging=False)
         try:

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from runtime.cpus import usable_cpus
+
 log = logging.getLogger(__name__)
 
 POLICIES = ("off", "prefill", "all")
@@ -85,13 +87,6 @@ class CorePolicy:
         return base / f"pdserve-cores-{os.getuid()}"
 
 
-def node_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class CoreShare:
     """One worker's side of the agreement. Used from its engine thread only: torch's thread count is
     the calling thread's."""
@@ -102,8 +97,10 @@ class CoreShare:
         policy)."""
         self.policy = policy
         self._set_threads = set_threads
-        self.home_threads = home_threads
-        self.num_cores = num_cores or node_cores()
+        self.num_cores = num_cores or usable_cpus()
+        # Borrowed cores are other workers' homes: with the home within the node's cores, home plus
+        # borrowed threads never exceed them.
+        self.home_threads = min(home_threads, self.num_cores)
         self.directory = policy.path
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._key = f"{os.getpid()}-{id(self)}"
@@ -120,7 +117,7 @@ class CoreShare:
         self._others_homes: frozenset[int] = frozenset()
         self._home_shared = False
         self._registry_read_s = 0.0
-        self.threads = home_threads  # what the engine thread computes with now
+        self.threads = self.home_threads  # what the engine thread computes with now
         self._borrowed: list[int] = []  # cores lent to the step under way
         self.borrowed_steps = 0  # steps that ran on borrowed cores
         self.owner_waits_s = 0.0  # time spent waiting for a borrower to hand a home core back

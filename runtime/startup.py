@@ -15,20 +15,22 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.weights import dtype_reason, resolve_device
 from protocol.messages import WorkerInfo
 from runtime.cores import CorePolicy, CoreShare
+from runtime.cpus import usable_cpus
 
 log = logging.getLogger(__name__)
 
 
 def granted_cpus() -> int:
     """The torch threads for the CPUs Ray gave this actor: whole CPUs, at least 1 (a fraction of a
-    CPU, as a local node's workers get by default, is one thread sharing its core)."""
+    CPU, as a local node's workers get by default, is one thread sharing its core), and at most the
+    CPUs this process may use (runtime/cpus.py: a node may declare more CPUs to Ray than it has)."""
     try:
         import ray
 
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
     except Exception:  # not inside a Ray worker
         cpus = 1
-    return max(1, int(cpus))
+    return max(1, min(int(cpus), usable_cpus()))
 
 
 def start_engine(config: EngineConfig) -> LLMEngine:

@@ -2,11 +2,10 @@
 --decode 1`, then `scale --decode 2` works (workers share the cores); a scale-up beyond the node is
 refused at once with the numbers."""
 
-import os
-
 import grpc
 import pytest
 
+from runtime.cpus import usable_cpus
 from tests.serving_harness import Harness
 
 
@@ -18,7 +17,7 @@ def system(tmp_path_factory):
     import ray
 
     ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this one is the node's size
-    harness = Harness(str(tmp_path_factory.mktemp("cores")), num_cpus=os.cpu_count())  # the node `pdserve serve` starts here
+    harness = Harness(str(tmp_path_factory.mktemp("cores")), num_cpus=usable_cpus())  # the node `pdserve serve` starts here
     running = harness.start(num_prefill=1, num_decode=1)
     yield running
     running.stop()
@@ -27,7 +26,7 @@ def system(tmp_path_factory):
 
 def test_the_readme_scale_up_works_on_this_machine_and_a_refusal_names_the_numbers(system):
     cpus = system.system.config.worker_cpus
-    assert cpus * 4 <= os.cpu_count() + 1e-9
+    assert cpus * 4 <= usable_cpus() + 1e-9
     with system.client() as client:
         reply = client.scale(decode=2)
         assert (reply.prefill, reply.decode) == (1, 2)
@@ -36,8 +35,8 @@ def test_the_readme_scale_up_works_on_this_machine_and_a_refusal_names_the_numbe
         stats = client.stats()
         assert all(w.threads >= 1 and w.cpus == pytest.approx(cpus) for w in stats.workers), stats
         with pytest.raises(grpc.RpcError) as refused:
-            client.scale(decode=int(os.cpu_count() / cpus) + 1)
+            client.scale(decode=int(usable_cpus() / cpus) + 1)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     details = refused.value.details()
-    free = os.cpu_count() - 3 * cpus
-    assert f"{cpus:g} CPU" in details and f"{free:g} CPU free of {os.cpu_count():g} CPU" in details, details
+    free = usable_cpus() - 3 * cpus
+    assert f"{cpus:g} CPU" in details and f"{free:g} CPU free of {usable_cpus():g} CPU" in details, details
