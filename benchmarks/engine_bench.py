@@ -69,7 +69,8 @@ class OurEngine:
 
     def __init__(self, dtype: str):
         from engine.llm_engine import EngineConfig, LLMEngine
-        from engine.weights import load_model, parse_dtype
+        from engine.dtypes import parse_dtype
+        from engine.weights import load_model
 
         loaded = load_model("default", parse_dtype(dtype))
         block_size_tokens = 16
@@ -142,7 +143,7 @@ class HFReference:
 
         from engine.default_model import default_model_path
         from engine.hf_reference import hf_model
-        from engine.weights import parse_dtype
+        from engine.dtypes import parse_dtype
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()

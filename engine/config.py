@@ -7,9 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-# float32 or bfloat16: what dtype "auto" resolves to on CPUs, whatever they have (engine.weights.auto_dtype);
-# workers started while it is set in the router's environment get it too (pdserve/pools.py)
-AUTO_DTYPE_ENV = "PDSERVE_AUTO_DTYPE"
+from engine.dtypes import parse_dtype  # torch-free until called
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -138,7 +137,7 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
 class EngineConfig:
     model: str = "default"
     dtype: str = "float32"  # or "bfloat16", or "auto": bf16 where the hardware has it natively, else fp32
-    device: str = "cpu"  # "cuda", "cuda:N", or "auto" (cuda where torch sees one), resolved by engine.weights.resolve_device
+    device: str = "cpu"  # "cuda", "cuda:N", or "auto" (cuda where torch sees one), resolved by engine.dtypes.resolve_device
     block_size_tokens: int = 16
     kv_cache_bytes: Optional[int] = 512 * 2**20  # None: sized from the node's free memory (engine.kv_cache)
     max_num_seqs: int = 64
@@ -153,8 +152,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self):
-        from engine.weights import parse_dtype
-
         return parse_dtype(self.dtype, self.device)
 
     @property

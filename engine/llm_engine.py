@@ -23,12 +23,13 @@ from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
 from engine.cuda_graphs import decode_graphs_for
 from engine.detokenizer import IncrementalDetokenizer
+from engine.dtypes import resolve_device
 from engine.kv_cache import KVLayout, PagedKVCache, auto_kv_cache_bytes
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.weights import LoadedModel, load_model, resolve_device
+from engine.weights import LoadedModel, load_model
 
 
 class RequestError(ValueError):

@@ -7,7 +7,6 @@ casts to the serving dtype and loads them with `assign=True` (no second copy of 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Iterable, Optional
@@ -15,17 +14,16 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from engine import disk_cache
-from engine.config import AUTO_DTYPE_ENV, NAMED_SHAPES, ModelConfig
+from engine.config import NAMED_SHAPES, ModelConfig
 from engine.cpu_packing import (TransposedLinear, decode_packing_supported, linear_slots, pack_for_decode,
                                  pack_linears, packing_supported, transposing_supported)
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
+from engine.dtypes import resolve_device
 from engine.model import LlamaModel, rope_inv_freq
 from engine.paged_attention import decode_kernel_for
 from engine.tokenizer import Tokenizer
 
 DUMMY_PREFIX = "dummy:"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEVICES = ("auto", "cpu", "cuda")
 log = logging.getLogger(__name__)
 
 
@@ -35,61 +33,6 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Optional[Tokenizer]  # None for random-weights models
     source: str
-
-
-def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """A dtype by name; "auto" is the one that is fast where it runs (`auto_dtype`)."""
-    if name == "auto":
-        return auto_dtype(device)
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def resolve_device(name: str | torch.device) -> str:
-    """A device by name: "auto" is cuda where torch sees a GPU, else cpu; "cuda" (or "cuda:N") where
-    torch sees none is a ValueError that says why."""
-    name = str(name)
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind = name.split(":", 1)[0]
-    if kind not in DEVICES[1:]:
-        raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
-               else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)")
-        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device: {why}; use --device cpu or auto")
-    return name
-
-
-def auto_dtype(device: str = "cpu") -> torch.dtype:
-    """bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX); fp32 elsewhere, where torch
-    emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32, docs/benchmarks.md).
-    `$PDSERVE_AUTO_DTYPE` overrides the CPU's choice, so the bf16 default is testable on any CPU."""
-    return _auto_dtype_and_reason(device)[0]
-
-
-def dtype_reason(name: str, device: str = "cpu") -> str:
-    """Why `name` resolves as it does on this device, for the ready line: "asked", or what "auto" saw."""
-    return "asked" if name != "auto" else "auto: " + _auto_dtype_and_reason(device)[1]
-
-
-def _auto_dtype_and_reason(device: str) -> tuple[torch.dtype, str]:
-    if device == "auto":
-        device = resolve_device(device)
-    if str(device).startswith("cuda"):
-        return torch.bfloat16, "CUDA"
-    forced = os.environ.get(AUTO_DTYPE_ENV)
-    if forced:
-        if forced not in ("float32", "bfloat16"):
-            raise ValueError(f"${AUTO_DTYPE_ENV} must be float32 or bfloat16, got {forced!r}")
-        return DTYPES[forced], f"${AUTO_DTYPE_ENV}={forced}"
-    isa = torch.backends.cpu.get_cpu_capability()
-    native = [name for name, has in (("AVX512_BF16", torch.cpu._is_avx512_bf16_supported()),
-                                     ("AMX", torch.cpu._is_amx_tile_supported())) if has]
-    if native:
-        return torch.bfloat16, f"CPU {isa} with native bf16 ({'+'.join(native)})"
-    return torch.float32, f"CPU {isa} without native bf16"
 
 
 def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> LoadedModel:

@@ -36,7 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
     )
-    from engine.weights import resolve_device
+    from engine.dtypes import resolve_device
     from runtime.cpus import usable_cpus
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=resolve_device(args.device),

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Optional
 
-from engine.config import AUTO_DTYPE_ENV
+from engine.dtypes import AUTO_DTYPE_ENV
 from router.pool import WorkerStartError
 
 log = logging.getLogger(__name__)

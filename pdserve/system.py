@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.dtypes import DEVICES  # torch-free
 from router.slo import DEFAULT_SLO, SLO  # torch-free
 from runtime.cpus import usable_cpus  # torch-free
 
@@ -24,13 +25,12 @@ log = logging.getLogger(__name__)
 MODES = ("disaggregated", "colocated")
 _LOCAL_WORKER_SLOTS = 4  # a local node's default CPU share per worker is its cores / this (or / its workers)
 TRANSPORTS = ("ray", "grpc", "rdt")
-DEVICES = ("auto", "cpu", "cuda")  # engine.weights.DEVICES; not imported from there: no torch in the router
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "default"
-    dtype: str = "auto"  # bf16 where the workers' hardware has it natively, else fp32 (engine.weights.auto_dtype)
+    dtype: str = "auto"  # bf16 where the workers' hardware has it natively, else fp32 (engine.dtypes.auto_dtype)
     device: str = "auto"  # "cuda": each worker asks Ray for one GPU; "auto": cuda when the cluster has GPUs
     enforce_eager: bool = False  # no CUDA graphs for decode steps on GPUs (vLLM's flag of that name)
     mode: str = "disaggregated"

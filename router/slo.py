@@ -84,11 +84,11 @@ class SLO:
 def auto_slo(dtype: str, device: str, cpu_flags: Optional[set[str]] = None) -> str:
     """The default SLO for a system serving `dtype` on `device` (their flags' values): FAST_SLO for bf16 or
     CUDA, FP32_CPU_SLO for fp32 on a CPU. dtype "auto" is decided as the workers decide it
-    (engine.weights.auto_dtype), from this machine's CPU flags (`/proc/cpuinfo`) and $PDSERVE_AUTO_DTYPE:
+    (engine.dtypes.auto_dtype), from this machine's CPU flags (`/proc/cpuinfo`) and $PDSERVE_AUTO_DTYPE:
     on a cluster, the head node's CPU stands for the workers'."""
     import os
 
-    from engine.config import AUTO_DTYPE_ENV  # torch-free
+    from engine.dtypes import AUTO_DTYPE_ENV  # torch-free
 
     if device == "cuda" or dtype == "bfloat16":
         return FAST_SLO

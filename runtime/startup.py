@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.weights import dtype_reason, resolve_device
+from engine.dtypes import dtype_reason, resolve_device
 from protocol.messages import WorkerInfo
 from runtime.cores import CorePolicy, CoreShare
 from runtime.cpus import usable_cpus

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="gpu_check.json")
     args = parser.parse_args(argv)
 
-    from engine.weights import resolve_device
+    from engine.dtypes import resolve_device
 
     device = resolve_device(args.device)
     sizes = QUICK if args.quick else FULL

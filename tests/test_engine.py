@@ -163,8 +163,7 @@ def test_a_kv_cache_smaller_than_the_context_bounds_what_is_served(tiny):
 
 
 def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_natively(tiny, monkeypatch):
-    from engine.config import AUTO_DTYPE_ENV
-    from engine.weights import auto_dtype, parse_dtype
+    from engine.dtypes import AUTO_DTYPE_ENV, auto_dtype, parse_dtype
 
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)  # the CPU's own choice (tests/test_start_line.py: the override)
 
@@ -177,7 +176,7 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_natively(tiny, monkeypatch
 
 
 def test_device_auto_is_cuda_only_where_torch_sees_a_gpu_and_cuda_without_one_is_a_clear_error(monkeypatch, capsys):
-    from engine.weights import resolve_device
+    from engine.dtypes import resolve_device
     from pdserve.cli import main
 
     assert resolve_device("cpu") == "cpu"

@@ -17,7 +17,7 @@ ALL = "*"
 
 # The engine modules the router may import: no torch at import time (checked below).
 TORCH_FREE_ENGINE = ("engine.tokenizer", "engine.detokenizer", "engine.sampling_params", "engine.block_manager",
-                     "engine.config")
+                     "engine.config", "engine.dtypes")
 
 # Who may import whom among our own packages (the `include` list of pyproject.toml, plus tests):
 # package -> {package it may import: ALL, or the modules of it it may import}. Anything absent is forbidden.
@@ -45,6 +45,7 @@ class Import(NamedTuple):
     target: str  # the imported module (for `from a import b`, "a.b" when b is a module of ours, else "a")
     line: int
     module_level: bool  # outside any function, and not under `if TYPE_CHECKING:`
+    type_checking: bool = False  # under `if TYPE_CHECKING:`: never runs
 
 
 def _module_name(path: Path) -> str:
@@ -62,6 +63,7 @@ class _Collector(ast.NodeVisitor):
         self.module, self.is_package = module, is_package
         self.imports: list[Import] = []
         self._depth = 0  # functions and TYPE_CHECKING blocks entered
+        self._type_checking = 0  # TYPE_CHECKING blocks entered
 
     def _nested(self, node) -> None:
         self._depth += 1
@@ -73,12 +75,14 @@ class _Collector(ast.NodeVisitor):
     def visit_If(self, node: ast.If) -> None:
         test = ast.unparse(node.test)
         if test in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            self._type_checking += 1
             self._nested(node)
+            self._type_checking -= 1
         else:
             self.generic_visit(node)
 
     def _add(self, target: str, node) -> None:
-        self.imports.append(Import(self.module, target, node.lineno, self._depth == 0))
+        self.imports.append(Import(self.module, target, node.lineno, self._depth == 0, self._type_checking > 0))
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -200,3 +204,84 @@ def test_router_and_tokenizer_do_not_import_torch():
                                 "engine.tokenizer.load_tokenizer('default'); pdserve.system.ServeConfig().engine_config()")
     assert {"engine.tokenizer", "router.router", "router.http_server"} <= loaded
     assert "torch" not in loaded
+
+
+# Import cycles that run only when a function is called, known and accepted: the paged decode kernel
+# module imports its Triton variant where CUDA needs it, which reads the head-dim limit back from it.
+KNOWN_LAZY_CYCLES = ({"engine.paged_attention", "engine.triton_paged_attention"},)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in edges.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = set()
+            while True:
+                member = stack.pop()
+                component.add(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for module in list(edges):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def _edges(imports: dict[str, list[Import]], module_level_only: bool) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for found in imports.values():
+        for imp in found:
+            if imp.type_checking or (module_level_only and not imp.module_level):
+                continue
+            if imp.target.split(".")[0] in OURS and imp.target != imp.module:
+                edges.setdefault(imp.module, set()).add(imp.target)
+    return edges
+
+
+def test_no_import_cycles(imports):
+    """At module level none at all; counting imports inside functions (they run when called, as
+    `EngineConfig.torch_dtype`'s did: config -> weights -> model, loaders, tokenizer -> config), only
+    the known ones."""
+    assert _cycles(_edges(imports, module_level_only=True)) == []
+    unknown = [cycle for cycle in _cycles(_edges(imports, module_level_only=False)) if cycle not in KNOWN_LAZY_CYCLES]
+    assert unknown == [], f"import cycles: {unknown}"
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]  # the check can fail
+
+
+def test_the_engine_config_needs_only_the_dtype_policy(imports):
+    """engine.config (which the router builds workers' configs with) imports, at any depth and inside
+    functions too, no engine module but engine.dtypes, and engine.dtypes none of ours."""
+    edges = _edges(imports, module_level_only=False)
+    assert edges.get("engine.dtypes", set()) == set()
+    assert edges.get("engine.config", set()) - {"engine.scheduler"} == {"engine.dtypes"}
+    # `EngineConfig.scheduler` builds the scheduler's config: the scheduler's modules lead back to no config
+    seen, todo = set(), ["engine.scheduler"]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo += edges.get(current, ())
+    assert "engine.config" not in seen and "engine.weights" not in seen, seen
+
+
+def test_the_engine_config_and_dtype_policy_load_no_torch():
+    loaded = _modules_loaded_by("import engine.config, engine.dtypes; engine.config.EngineConfig(dtype='auto'); "
+                                "engine.dtypes.DEVICES, engine.dtypes.AUTO_DTYPE_ENV")
+    assert {"engine.config", "engine.dtypes"} <= loaded
+    assert "torch" not in loaded and "engine.weights" not in loaded

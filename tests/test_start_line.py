@@ -13,8 +13,7 @@ import time
 import pytest
 import torch
 
-from engine.config import AUTO_DTYPE_ENV
-from engine.weights import auto_dtype, dtype_reason
+from engine.dtypes import AUTO_DTYPE_ENV, auto_dtype, dtype_reason
 
 NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
