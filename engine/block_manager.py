@@ -1,10 +1,11 @@
 """The KV block allocator: reference counts, a free list, and prefix caching by chained block hashes.
 
 A block holds `block_size_tokens` consecutive tokens of one sequence. A *full* block whose KV has been
-computed gets a hash chained from its predecessor's hash and its own token ids, so two prompts that
-share a prefix share its blocks (each holder counts one reference). A block whose last reference is
-dropped goes back to the free list but keeps its hash: until it is handed out again, a later prompt
-with the same prefix revives it instead of recomputing it.
+computed gets a hash chained from its predecessor's hash and its own token ids (protocol/block_hash.py,
+which the router's prefix index computes too), so two prompts that share a prefix share its blocks
+(each holder counts one reference). A block whose last reference is dropped goes back to the free list
+but keeps its hash: until it is handed out again, a later prompt with the same prefix revives it
+instead of recomputing it.
 
 With `track_events()`, the allocator also logs each hash it starts and stops holding (a block's hash is
 forgotten when the block is handed out again): a worker forwards that log to the router, whose index
@@ -14,31 +15,13 @@ of which worker holds which prefix it feeds (router/kv_index.py).
 from __future__ import annotations
 
 import collections
-import hashlib
-import struct
 from typing import Optional, Sequence
 
-_NO_PARENT = b""
+from protocol.block_hash import NO_PARENT, chain_hash, prompt_block_hashes
 
 
 class OutOfBlocksError(RuntimeError):
     """Not enough free KV blocks for the request; the caller may wait, preempt or reject."""
-
-
-def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return digest.digest()
-
-
-def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size_tokens: int) -> list[bytes]:
-    """The chained hashes of a prompt's blocks that a cache could serve: its full blocks, short of the
-    last token (whose logits must be computed)."""
-    hashes, parent = [], _NO_PARENT
-    for index in range((len(prompt_token_ids) - 1) // block_size_tokens):
-        parent = chain_hash(parent, prompt_token_ids[index * block_size_tokens:(index + 1) * block_size_tokens])
-        hashes.append(parent)
-    return hashes
 
 
 # A hash event: (True, hash) the allocator now holds a block with this hash; (False, hash) it no longer does.
@@ -132,7 +115,7 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return
         size = self.block_size_tokens
-        parent = _NO_PARENT
+        parent = NO_PARENT
         for index in range(num_computed_tokens // size):
             parent = chain_hash(parent, token_ids[index * size : (index + 1) * size])
             block_id = block_ids[index]

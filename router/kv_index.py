@@ -3,8 +3,9 @@
 Every worker reports the block hashes its KV cache starts and stops holding (engine/block_manager.py's
 hash events): a decode worker with each step of its token stream (and all it holds when the router
 subscribes), a prefill worker with each prefill result. `PrefixIndex` keeps them per worker. A prompt's
-block hashes (the same chain the engines compute) then tell, for each candidate worker, how many of
-its leading tokens that worker would not need to compute (prefill pool) or receive (decode pool).
+block hashes (the same chain the engines compute, protocol/block_hash.py) then tell, for each candidate
+worker, how many of its leading tokens that worker would not need to compute (prefill pool) or receive
+(decode pool).
 
 The index is a guess, never a promise: an event may be late or lost, and a worker's cache may evict a
 block right after the router looked. A wrong guess costs time, never correctness: the worker itself
@@ -26,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from engine.block_manager import prompt_block_hashes
+from protocol.block_hash import prompt_block_hashes
 from router.pool import WorkerHandle
 
 POLICIES = ("prefix", "load")

@@ -10,11 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from engine.block_manager import BlockAllocator, prompt_block_hashes
+from engine.block_manager import BlockAllocator
 from engine.kv_cache import PagedKVCache
 from kvtransfer.errors import WireFormatError
 from kvtransfer.reservations import Reservations
 from kvtransfer.wire import KVGroupHeader, as_bytes_view, checksum, group_payload_bytes
+from protocol.block_hash import prompt_block_hashes
 from protocol.messages import WorkerInfo
 from router.kv_index import PrefixIndex, RoutingConfig, rank
 from router.pd_policy import Decision, PDPolicyConfig, decide
