@@ -259,6 +259,8 @@ class DecodeWorker(ParkingEndpoints):
             output.request_id, tuple(output.new_token_ids), output.finish_reason,
             kv_ready_wall_s=self._first_chunk_kv_ready_wall_s(output.request_id),
             num_cached_prompt_tokens=output.num_cached_prompt_tokens,
+            logprobs=tuple(output.logprobs) if output.logprobs is not None else None,
+            prompt_logprobs=tuple(output.prompt_logprobs) if output.prompt_logprobs is not None else None,
         )
 
     def _first_chunk_kv_ready_wall_s(self, request_id: str) -> Optional[float]:

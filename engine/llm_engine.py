@@ -26,7 +26,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.dtypes import resolve_device
 from engine.kv_cache import KVLayout, PagedKVCache, auto_kv_cache_bytes
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams, TokenLogprobs, logprobs_of, sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.weights import LoadedModel, load_model
@@ -47,6 +47,11 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     handed_off: bool = False  # prefill done, KV held for export (see `export_kv`)
+    # One per new token when its params ask for logprobs, else None.
+    logprobs: Optional[list[TokenLogprobs]] = None
+    # With the first output token when its params ask for prompt logprobs: one per prompt token, the
+    # first None (nothing comes before it).
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
 
 
 @dataclass
@@ -200,7 +205,12 @@ class LLMEngine:
             model.between_layers = between_layers
             try:
                 if batch.is_prefill:
-                    logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
+                    every_position = [seq.wants_prompt_logprobs for seq in batch.seqs]
+                    if any(every_position):
+                        logits = self.runner.prefill(batch.seqs, batch.num_new_tokens, every_position)
+                        logits = self._score_prompts(batch, logits, every_position)
+                    else:
+                        logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
                     sampled_seqs = self.scheduler.after_prefill(batch)
                 else:
                     logits = self.runner.decode(batch.seqs)
@@ -209,9 +219,32 @@ class LLMEngine:
             finally:
                 model.between_layers = None
             tokens = sample(logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs])
-        return [self._append_token(seq, token, batch) for seq, token in zip(sampled_seqs, tokens)]
+            logprobs = _sampled_logprobs(logits, sampled_seqs, tokens)
+        return [self._append_token(seq, token, batch, token_logprobs)
+                for seq, token, token_logprobs in zip(sampled_seqs, tokens, logprobs)]
 
-    def _append_token(self, seq: Sequence, token: int, batch: ScheduledBatch) -> RequestOutput:
+    def _score_prompts(self, batch: ScheduledBatch, logits: torch.Tensor, every_position: list[bool]) -> torch.Tensor:
+        """A prefill whose `every_position` sequences got logits at every position of their chunk: their
+        prompt tokens' logprobs are taken here (the logits at position p score token p + 1); returns the
+        rows to sample from, one per sequence whose prompt this chunk completes. Before `after_prefill`."""
+        sample_rows, row = [], 0
+        for seq, chunk, every in zip(batch.seqs, batch.num_new_tokens, every_position):
+            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk
+            if every:
+                scored = min(end, seq.num_prompt_tokens - 1) - begin  # positions whose next token is a prompt token
+                if scored > 0:
+                    seq.prompt_logprobs += logprobs_of(logits[row:row + scored], seq.prompt_token_ids[begin + 1:end + 1][:scored],
+                                                       [seq.params.prompt_logprobs] * scored)
+                row += chunk
+                if end == seq.num_tokens:
+                    sample_rows.append(row - 1)
+            elif end == seq.num_tokens:
+                sample_rows.append(row)
+                row += 1
+        return logits[sample_rows]
+
+    def _append_token(self, seq: Sequence, token: int, batch: ScheduledBatch,
+                      token_logprobs: Optional[TokenLogprobs] = None) -> RequestOutput:
         seq.output_token_ids.append(token)
         reason = self.finish_reason(seq, token)
         detok = self._detokenizers.get(seq.request_id)
@@ -223,7 +256,10 @@ class LLMEngine:
         output = RequestOutput(
             seq.request_id, [token], text, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids), num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            logprobs=None if token_logprobs is None else [token_logprobs],
         )
+        if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+            output.prompt_logprobs, seq.prompt_logprobs = [None, *seq.prompt_logprobs], []
         if reason is None and batch.is_prefill:
             if seq.hand_off_after_prefill:
                 self._held[seq.request_id] = self._seqs.pop(seq.request_id)
@@ -269,3 +305,16 @@ class LLMEngine:
     def run_until_done(self) -> Iterator[RequestOutput]:
         while self.has_unfinished():
             yield from self.step()
+
+
+def _sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[Optional[TokenLogprobs]]:
+    """The sampled tokens' logprobs, computed only for the rows whose params ask for them."""
+    rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not rows:
+        return [None] * len(seqs)
+    picked = logits if len(rows) == len(seqs) else logits[rows]
+    values = logprobs_of(picked, [tokens[row] for row in rows], [seqs[row].params.logprobs for row in rows])
+    result: list[Optional[TokenLogprobs]] = [None] * len(seqs)
+    for row, value in zip(rows, values):
+        result[row] = value
+    return result

@@ -26,10 +26,12 @@ class ModelRunner:
         table = torch.tensor(block_ids, dtype=torch.long)
         return table[positions // self.block_size_tokens] * self.block_size_tokens + positions % self.block_size_tokens
 
-    def prefill(self, seqs: Seq[Sequence], chunk_lens: Seq[int]) -> torch.Tensor:
+    def prefill(self, seqs: Seq[Sequence], chunk_lens: Seq[int], every_position: Optional[Seq[bool]] = None) -> torch.Tensor:
         """Computes each sequence's next `chunk_len` tokens into the cache.
 
-        Returns logits `[k, vocab]` for the k sequences (in order) whose chunk reaches their last token.
+        Returns logits `[k, vocab]` for the k sequences (in order) whose chunk reaches their last token;
+        a sequence marked in `every_position` (prompt logprobs) gets a row for every token of its chunk
+        instead, in order.
         """
         input_ids, positions, slots, slices, last_rows = [], [], [], [], []
         start = 0
@@ -41,9 +43,11 @@ class ModelRunner:
             slots.append(self._slots(seq.block_ids, pos))
             num_blocks = -(-end // self.block_size_tokens)
             slices.append(PrefillSlice(start, chunk, end, torch.tensor(seq.block_ids[:num_blocks], dtype=torch.long, device=self.device)))
+            if every_position is not None and every_position[len(slices) - 1]:
+                last_rows.extend(range(start, start + chunk))
+            elif end == seq.num_tokens:
+                last_rows.append(start + chunk - 1)
             start += chunk
-            if end == seq.num_tokens:
-                last_rows.append(start - 1)
         batch = ForwardBatch(
             positions=torch.cat(positions).to(self.device),
             slot_mapping=torch.cat(slots).to(self.device),

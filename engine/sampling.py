@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["SamplingParams", "TokenLogprobs", "logprobs_of", "sample"]
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
@@ -26,6 +26,22 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, index)
     return tokens
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], top_n: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row of raw fp32 `logits` [rows, vocab]: the log-softmax at `token_ids[row]` and the row's
+    `top_n[row]` most likely tokens. One logsumexp pass and one top-k pass over the rows, the whole
+    log-softmax never materialised (x - logsumexp(x) is its definition)."""
+    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)) - norm)
+    chosen_list = chosen.squeeze(1).tolist()
+    k = max(top_n)
+    if k == 0:
+        return [TokenLogprobs(t, lp) for t, lp in zip(token_ids, chosen_list)]
+    values, indices = logits.topk(k, dim=-1)
+    values_list, indices_list = (values - norm).tolist(), indices.tolist()
+    return [TokenLogprobs(t, lp, tuple(zip(ids[:n], vals[:n])))
+            for t, lp, ids, vals, n in zip(token_ids, chosen_list, indices_list, values_list, top_n)]
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, position: int) -> int:

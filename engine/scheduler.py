@@ -82,7 +82,11 @@ class Scheduler:
                 break
             if not seq.block_ids:
                 try:
-                    seq.block_ids, seq.num_cached_prompt_tokens = self.allocator.allocate_prompt(seq.token_ids)
+                    if seq.wants_prompt_logprobs:  # every prompt position's logits: nothing from the prefix cache
+                        seq.block_ids = self.allocator.allocate(self.allocator.blocks_needed(seq.num_tokens))
+                        seq.num_cached_prompt_tokens = 0
+                    else:
+                        seq.block_ids, seq.num_cached_prompt_tokens = self.allocator.allocate_prompt(seq.token_ids)
                 except OutOfBlocksError:
                     break  # it waits until running sequences free blocks
                 seq.num_computed_tokens = seq.num_cached_prompt_tokens

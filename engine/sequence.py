@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +35,9 @@ class Sequence:
     arrival_time_s: float = 0.0
     # Disaggregated prefill: after the first token, keep the KV for a handoff instead of decoding.
     hand_off_after_prefill: bool = False
+    # Prompt logprobs (asked in params), of prompt tokens 1.. as the prefill's chunks compute them; they
+    # leave with the first output token.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -47,6 +50,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill must score every prompt position (asked, and not yet sent: a sequence recomputed
+        after a preemption has output tokens, its prompt's logprobs went out with the first)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,6 +25,8 @@ class Completion:
     sent_at_s: float = 0.0
     decode_worker: str = ""
     prefill_worker: str = ""
+    logprobs: list["pb.TokenLogprob"] = field(default_factory=list)  # one per token, when sampling.logprobs is set
+    prompt_logprobs: list["pb.TokenLogprob"] = field(default_factory=list)  # when sampling.prompt_logprobs is set
 
 
 class PdserveClient:
@@ -74,6 +76,8 @@ class PdserveClient:
             done.request_id = response.request_id
             done.text += response.text
             done.token_ids += list(response.token_ids)
+            done.logprobs += list(response.logprobs)
+            done.prompt_logprobs += list(response.prompt_logprobs)
             if response.finish_reason:
                 done.finish_reason = response.finish_reason
                 done.usage, done.timings = response.usage, response.timings

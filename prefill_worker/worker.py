@@ -117,4 +117,6 @@ class PrefillWorker(ParkingEndpoints):
             self.worker_id, output.new_token_ids[0], output.finish_reason, output.num_cached_prompt_tokens,
             queue_s=max(0.0, now - request.arrival_s - prefill_s), prefill_s=prefill_s, kv_bytes=kv_bytes,
             kv_sent_wall_s=sent_wall_s, deliveries=deliveries, kv_events=tuple(self.engine.allocator.drain_events()),
+            first_token_logprobs=output.logprobs[0] if output.logprobs else None,
+            prompt_logprobs=tuple(output.prompt_logprobs) if output.prompt_logprobs is not None else None,
         )

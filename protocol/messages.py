@@ -24,6 +24,10 @@ class PrefillResult:
     # The worker's KV hash events since its previous result ((stored?, hash), oldest first): the router's
     # prefix index of the prefill pool is fed from these (protocol/token_stream.py's KVEvent).
     kv_events: tuple[tuple[bool, bytes], ...] = ()
+    # Asked for by the request (engine.sampling_params.TokenLogprobs, plain tuples here): the first
+    # token's, and the prompt's (one per prompt token, the first None).
+    first_token_logprobs: Optional[tuple] = None
+    prompt_logprobs: Optional[tuple] = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
+from engine.sampling_params import TokenLogprobs
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.auth import AuthError, Credentials
@@ -61,7 +62,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             try:  # past the client's deadline gRPC cancels this handler; closing the stream aborts the workers
                 async with contextlib.aclosing(self.router.generate(validated)) as stream:
                     async for item in stream:
-                        response = _response(validated.request_id, item)
+                        response = _response(validated.request_id, item, validated.prompt_ids)
                         await self.router.streams.writes_released()
                         yield response
             except grpc.aio.AbortError:
@@ -132,8 +133,13 @@ def _add_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def _response(request_id: str, item: StreamItem) -> "pb.GenerateResponse":
+def _response(request_id: str, item: StreamItem, prompt_ids: list[int]) -> "pb.GenerateResponse":
     response = pb.GenerateResponse(request_id=request_id, token_ids=item.token_ids, text=item.text)
+    if item.logprobs is not None:
+        response.logprobs.extend(_token_logprob(value) for value in item.logprobs)
+    if item.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_token_logprob(value, token_id) for value, token_id
+                                        in zip(item.prompt_logprobs, prompt_ids))
     final = item.final
     if final is not None:
         response.finish_reason = final.finish_reason
@@ -145,6 +151,13 @@ def _response(request_id: str, item: StreamItem) -> "pb.GenerateResponse":
         response.prefill_worker = final.prefill_worker
         response.decode_worker = final.decode_worker
     return response
+
+
+def _token_logprob(value: Optional[TokenLogprobs], token_id: int = 0) -> "pb.TokenLogprob":
+    if value is None:  # the first prompt token
+        return pb.TokenLogprob(token_id=token_id)
+    return pb.TokenLogprob(token_id=value.token_id, logprob=value.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in value.top])
 
 
 async def start_grpc_server(servicer: GenerationServicer, host: str, port: int,

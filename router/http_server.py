@@ -25,6 +25,7 @@ from router.pool import WorkerStartError
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics, Snapshot
 from router.openai_api import (SSE_DONE, ApiError, ParsedRequest, ResponseShape, invalid, openai_param, parse_body,
                                parse_request, sse)
+from router.openai_logprobs import TokenTexts
 from router.failures import describe_failure
 from router.output import StreamItem
 from router.router import Router
@@ -45,6 +46,7 @@ class HttpFrontend:
     scale: Callable[[Optional[int], Optional[int]], Awaitable[tuple[int, int]]]
     ready: Callable[[], bool]
     started_s: float = 0.0
+    _texts: Optional[TokenTexts] = None  # token texts for logprobs, shared by all requests
 
     @property
     def metrics(self) -> RouterMetrics:
@@ -94,7 +96,7 @@ class HttpFrontend:
             except ApiError as error:
                 self.metrics.requests.labels("unauthorized" if error.status in (401, 403) else "invalid").inc()
                 raise
-            shape = ResponseShape(parsed, self.served_model, validated.request_id)
+            shape = self._shape(parsed, validated)
             stream = self.router.generate(validated)
             async with contextlib.aclosing(stream):
                 try:
@@ -104,6 +106,14 @@ class HttpFrontend:
                 if not parsed.stream:
                     return await _whole(stream, first, shape, validated.request_id)
                 return await _event_stream(request, stream, first, shape, validated.request_id, self.router)
+
+    def _shape(self, parsed: ParsedRequest, validated: ValidatedRequest) -> ResponseShape:
+        if self._texts is None:
+            self._texts = TokenTexts(self.router.tokenizer)
+        prompt_text = ""
+        if parsed.echo:
+            prompt_text = parsed.request.text or self.router.tokenizer.decode(validated.prompt_ids)
+        return ResponseShape(parsed, self.served_model, validated.request_id, self._texts, validated.prompt_ids, prompt_text)
 
     async def _parse(self, request: web.Request, chat: bool, request_id: str) -> tuple[ParsedRequest, ValidatedRequest]:
         if request.content_type != "application/json":
@@ -160,14 +170,13 @@ class HttpFrontend:
 
 
 async def _whole(stream, first: StreamItem, shape: ResponseShape, request_id: str) -> web.Response:
-    text, item = [first.text], first
+    items = [first]
     try:
-        while item.final is None:
-            item = await anext(stream)
-            text.append(item.text)
+        while items[-1].final is None:
+            items.append(await anext(stream))
     except Exception as error:
         raise _api_error(error, request_id) from error
-    return web.json_response(shape.full("".join(text), item.final))
+    return web.json_response(shape.full(items))
 
 
 async def _event_stream(request: web.Request, stream, first: StreamItem, shape: ResponseShape, request_id: str,
@@ -176,10 +185,13 @@ async def _event_stream(request: web.Request, stream, first: StreamItem, shape: 
                                            "X-Request-Id": request_id})
     await response.prepare(request)
     item, opening = first, True
+    pending: list[StreamItem] = []  # items not sent yet (tokens without text so far: their logprobs wait too)
     try:
         while True:
+            pending.append(item)
             if item.text or item.final is not None or opening:
-                event = sse(shape.chunk(item.text, item.final, first=opening))
+                event = sse(shape.chunk(pending, first=opening))
+                pending = []
                 await router.streams.writes_released()
                 await response.write(event)
                 opening = False

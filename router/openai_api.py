@@ -14,10 +14,12 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
+from engine.sampling_params import MAX_LOGPROBS
 from pdserve_proto import pdserve_pb2 as pb
-from router.output import FinalInfo
+from router.openai_logprobs import Entry, TokenTexts, chat_logprobs, completion_logprobs
+from router.output import FinalInfo, StreamItem
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -25,12 +27,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "service_unavailable_error", 504: "timeout_error"}
 
 # Accepted only at these (neutral) values: the engine implements nothing else for them.
-_NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+_NEUTRAL = {"n": (1,), "best_of": (1,),
             "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
             "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
             "parallel_tool_calls": (True, False), "min_tokens": (0,), "functions": ([],), "function_call": ("none",)}
+_NEUTRAL_IN = {False: {"top_logprobs": (0,)}, True: {"echo": (False,)}}  # per endpoint (chat?): the other's feature
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stream", "stream_options", "stop", "seed",
-           "user", "ignore_eos", "stop_token_ids", *_NEUTRAL}
+           "user", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo", *_NEUTRAL}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "response_format"})
 CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
@@ -61,6 +64,10 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     max_tokens_param: str  # the name the client used, for error messages
+    # Logprobs asked: completions' `logprobs=N`, chat's `top_logprobs` with `logprobs: true`; None: not.
+    logprobs: Optional[int] = None
+    echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens') before the answer
+    echo_only: bool = False  # echo with max_tokens 0: the prompt scored, the one token generated is dropped
 
 
 def parse_body(raw: bytes) -> dict:
@@ -92,7 +99,7 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise invalid(unknown[0], "unrecognized request argument")
-    for name, neutral in _NEUTRAL.items():
+    for name, neutral in {**_NEUTRAL, **_NEUTRAL_IN[chat]}.items():
         if name in body and not _is_neutral(body[name], neutral):
             raise invalid(name, f"only {json.dumps(neutral[0])} is supported, got {json.dumps(body[name])[:40]}")
     model = body.get("model")
@@ -109,7 +116,16 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
     else:
         _completion_prompt(body.get("prompt"), request)
     max_tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    echo = False if chat else _typed(body, "echo", bool, False)
+    echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if echo_only:  # as vLLM: one token is generated (the prefill's), and dropped from the answer
+        body = {**body, "max_tokens": 1}
     _sampling(body, request.sampling, max_tokens_param)
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    if logprobs is not None:
+        request.sampling.logprobs = logprobs
+        if echo:
+            request.sampling.prompt_logprobs = logprobs
     stream = _typed(body, "stream", bool, False)
     options = body.get("stream_options")
     include_usage = False
@@ -120,7 +136,28 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
             raise invalid("stream_options", "must be an object with include_usage (bool)")
         include_usage = _typed(options, "include_usage", bool, False, "stream_options.include_usage")
     _typed(body, "user", str, None)
-    return ParsedRequest(request, chat, stream, include_usage, max_tokens_param)
+    return ParsedRequest(request, chat, stream, include_usage, max_tokens_param, logprobs, echo, echo_only)
+
+
+def _completion_logprobs(body: dict) -> Optional[int]:
+    """`logprobs`: how many alternatives per token (0..20), or null for none."""
+    value = body.get("logprobs")
+    if value is None:
+        return None
+    if not _KINDS[int][1](value) or not 0 <= value <= MAX_LOGPROBS:
+        raise invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _chat_logprobs(body: dict) -> Optional[int]:
+    """`logprobs: true` and `top_logprobs` (0..20, default 0): the alternatives per token; None without logprobs."""
+    asked = _typed(body, "logprobs", bool, False)
+    top = body.get("top_logprobs")
+    if top is not None and (not _KINDS[int][1](top) or not 0 <= top <= MAX_LOGPROBS):
+        raise invalid("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {json.dumps(top)[:40]}")
+    if top and not asked:
+        raise invalid("top_logprobs", "requires logprobs to be true")
+    return (top or 0) if asked else None
 
 
 _KINDS = {
@@ -198,7 +235,8 @@ def _sampling(body: dict, sampling: "pb.SamplingParams", max_tokens_param: str) 
     max_tokens = _typed(body, max_tokens_param, int, None)
     if max_tokens is not None:
         if max_tokens < 1:
-            raise invalid(max_tokens_param, f"must be >= 1, got {max_tokens}")
+            zero = " (0 only with echo: true, to score the prompt)" if max_tokens == 0 and "prompt" in body else ""
+            raise invalid(max_tokens_param, f"must be >= 1{zero}, got {max_tokens}")
         sampling.max_tokens = min(max_tokens, 2**32 - 1)
     for name in ("temperature", "top_p"):
         value = _typed(body, name, float, None)
@@ -255,12 +293,17 @@ def finish_reason(final: FinalInfo) -> str:
 
 @dataclass
 class ResponseShape:
-    """Builds one request's response objects: the non-streaming body and the SSE chunks."""
+    """Builds one request's response objects: the non-streaming body and the SSE chunks. `texts` and
+    `prompt_ids` serve logprobs and echo; `prompt_text` is what echo returns."""
 
     parsed: ParsedRequest
     model: str
     request_id: str
+    texts: Optional[TokenTexts] = None
+    prompt_ids: Sequence[int] = ()
+    prompt_text: str = ""
     created: int = 0
+    _streamed_chars: int = 0  # text streamed so far: where the next chunk's text_offset starts
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -270,21 +313,52 @@ class ResponseShape:
         kind = ("chat.completion" if self.parsed.chat else "text_completion") + (".chunk" if chunk and self.parsed.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, text: Optional[str], reason: Optional[str], chunk: bool, first: bool = False) -> dict:
+    def _answer(self, items: Sequence[StreamItem], opening: bool) -> tuple[str, list[Entry]]:
+        """The items' text and logprob entries; the opening one of an echo with the prompt's before them."""
+        text = "".join(item.text for item in items)
+        entries = [entry for item in items if item.logprobs is not None
+                   for entry in zip(item.token_ids, item.logprobs)]
+        if self.parsed.echo_only:
+            text, entries = "", []
+        if self.parsed.echo and opening:
+            prompt_logprobs = next((item.prompt_logprobs for item in items if item.prompt_logprobs is not None), None)
+            text = self.prompt_text + text
+            entries = [*zip(self.prompt_ids, prompt_logprobs or ()), *entries]
+        return text, entries
+
+    def _logprobs(self, entries: list[Entry], text_offset: int = 0) -> Optional[dict]:
+        if self.parsed.logprobs is None:
+            return None
+        if self.parsed.chat:
+            return chat_logprobs(entries, self.texts, self.parsed.logprobs)
+        return completion_logprobs(entries, self.texts, self.parsed.logprobs, text_offset)
+
+    def _choice(self, text: Optional[str], reason: Optional[str], chunk: bool, first: bool = False,
+                logprobs: Optional[dict] = None) -> dict:
         if not self.parsed.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         if chunk:
             delta: dict = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": reason}
 
-    def full(self, text: str, final: FinalInfo) -> dict:
-        return {**self._envelope(False), "choices": [self._choice(text, finish_reason(final), False)], "usage": usage_body(final)}
+    def full(self, items: Sequence[StreamItem]) -> dict:
+        """The whole answer from all its stream items (the last one final)."""
+        final = items[-1].final
+        text, entries = self._answer(items, opening=True)
+        choice = self._choice(text, finish_reason(final), False, logprobs=self._logprobs(entries))
+        return {**self._envelope(False), "choices": [choice], "usage": usage_body(final)}
 
-    def chunk(self, text: Optional[str], final: Optional[FinalInfo], first: bool = False) -> dict:
-        body = {**self._envelope(True), "choices": [self._choice(text, finish_reason(final) if final else None, True, first)]}
+    def chunk(self, items: Sequence[StreamItem], first: bool = False) -> dict:
+        """One SSE chunk of the items since the last one sent (their text, and logprobs of all their tokens)."""
+        final = items[-1].final if items else None
+        text, entries = self._answer(items, opening=first)
+        logprobs = self._logprobs(entries, self._streamed_chars) if entries or (first and self.parsed.echo) else None
+        self._streamed_chars += len(text)
+        body = {**self._envelope(True), "choices": [self._choice(text, finish_reason(final) if final else None, True, first,
+                                                                  logprobs)]}
         if self.parsed.include_usage:
             body["usage"] = None
         return body

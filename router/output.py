@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import TokenLogprobs
 from protocol.messages import PrefillResult
 
 
@@ -18,6 +19,15 @@ class StreamItem:
     token_ids: list[int]
     text: str
     final: Optional["FinalInfo"] = None
+    logprobs: Optional[list[TokenLogprobs]] = None  # one per token of `token_ids`, when the request asked
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # on the first item, when asked
+
+
+def typed_logprobs(values) -> Optional[list[Optional[TokenLogprobs]]]:
+    """Logprobs as a worker sent them (plain tuples, or msgpack's lists) as `TokenLogprobs`."""
+    if values is None:
+        return None
+    return [None if value is None else TokenLogprobs.from_wire(value) for value in values]
 
 
 @dataclass

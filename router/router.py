@@ -26,7 +26,7 @@ from router.failures import (AdmissionTimeoutError, DuplicateRequestError, Reque
                              is_actor_death)
 from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
 from router.metrics import RouterMetrics
-from router.output import FinalInfo, Progress, StreamItem
+from router.output import FinalInfo, Progress, StreamItem, typed_logprobs
 from router.overload import AdmissionLimits, OverloadedError
 from router.pd_policy import Decision, PDPolicyConfig, decide
 from router.pool import NoWorkerError, WorkerHandle, WorkerPool
@@ -218,7 +218,10 @@ class Router:
         while True:
             wid = request.request_id if attempt == 0 else f"{request.request_id}~{attempt}"
             prompt = self._prompt(request.prompt_ids + progress.token_ids)
-            params = dataclasses.replace(request.params, max_tokens=request.params.max_tokens - len(progress.token_ids))
+            # Logprobs of the tokens already streamed are not asked again: a re-prefill's prompt logprobs
+            # only if none went out yet, and its first token's are the next token's.
+            params = dataclasses.replace(request.params, max_tokens=request.params.max_tokens - len(progress.token_ids),
+                                         prompt_logprobs=None if progress.token_ids else request.params.prompt_logprobs)
             flow = self._colocated
             if self.config.mode == "disaggregated" and self._place(prompt).path == "remote":
                 flow = self._disaggregated
@@ -312,11 +315,13 @@ class Router:
         if progress.first_token_s is None:
             now = time.monotonic()
             self.recent_first_tokens.append((now, now - progress.start_s, result.queue_s))
+        first_logprobs = None if result.first_token_logprobs is None else (result.first_token_logprobs,)
         if result.finish_reason is not None:  # finished at its first token: nothing to hand off or decode
             route.prefill_released = True
-            yield self._item(progress, (result.first_token_id,), result.finish_reason, decode)
+            yield self._item(progress, (result.first_token_id,), result.finish_reason, decode, first_logprobs,
+                             result.prompt_logprobs)
             return
-        yield self._item(progress, (result.first_token_id,), None, decode)
+        yield self._item(progress, (result.first_token_id,), None, decode, first_logprobs, result.prompt_logprobs)
         await self._call(decode, decode.actor.admit.remote(wid, prompt_ids, result.first_token_id, params,
                                                            result.deliveries), record)
         async for chunk in self._chunks(route, coalesce=not params.stop):
@@ -325,7 +330,7 @@ class Router:
                 route.prefill_released = True
                 if result.deliveries:  # a routed transport's acknowledgement travels the same way (grpc's is in-band)
                     self._fire(prefill.actor.acknowledge.remote(wid))
-            yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode)
+            yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode, chunk.logprobs)
 
     def _count_reuse(self, role: str, cached_tokens: int, bytes_not_shipped: int = 0) -> None:
         if cached_tokens:
@@ -407,7 +412,8 @@ class Router:
                 worker.queued_prompt_tokens -= queued
                 queued = 0
                 progress.cached_prompt_tokens = max(progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens)
-                yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker)
+                yield self._item(progress, chunk.token_ids, chunk.finish_reason, worker, chunk.logprobs,
+                                 chunk.prompt_logprobs)
         finally:
             worker.queued_prompt_tokens -= queued
 
@@ -481,7 +487,8 @@ class Router:
         except Exception as error:
             return not is_actor_death(error)
 
-    def _item(self, progress: Progress, token_ids, finish_reason: Optional[str], decode: WorkerHandle) -> StreamItem:
+    def _item(self, progress: Progress, token_ids, finish_reason: Optional[str], decode: WorkerHandle,
+              logprobs=None, prompt_logprobs=None) -> StreamItem:
         now = time.monotonic()
         if progress.first_token_s is None and token_ids:
             progress.first_token_s = now
@@ -492,7 +499,8 @@ class Router:
             self.metrics.generation_tokens.inc(len(token_ids))
         progress.completion_tokens += len(token_ids)
         progress.token_ids.extend(token_ids)
-        item = StreamItem(list(token_ids), progress.text_for(token_ids, finish_reason))
+        item = StreamItem(list(token_ids), progress.text_for(token_ids, finish_reason), logprobs=typed_logprobs(logprobs),
+                          prompt_logprobs=typed_logprobs(prompt_logprobs))
         if progress.detok.stop_string is not None and finish_reason is None:
             finish_reason = "stop"  # the router saw the stop string first; the worker is aborted in `generate`
         if finish_reason is not None:

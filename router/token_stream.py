@@ -230,4 +230,6 @@ def joined(first: TokenChunk, then: TokenChunk) -> TokenChunk:
     return dataclasses.replace(
         then, token_ids=first.token_ids + then.token_ids,
         kv_ready_wall_s=first.kv_ready_wall_s if first.kv_ready_wall_s is not None else then.kv_ready_wall_s,
-        num_cached_prompt_tokens=max(first.num_cached_prompt_tokens, then.num_cached_prompt_tokens))
+        num_cached_prompt_tokens=max(first.num_cached_prompt_tokens, then.num_cached_prompt_tokens),
+        logprobs=None if first.logprobs is None and then.logprobs is None else (first.logprobs or ()) + (then.logprobs or ()),
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)

@@ -124,6 +124,8 @@ def _sampling_params(sampling, limits: ValidationLimits) -> SamplingParams:
         "stop": tuple(sampling.stop),
         "stop_token_ids": tuple(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,
+        "logprobs": sampling.logprobs if sampling.HasField("logprobs") else None,
+        "prompt_logprobs": sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
     }
     bad_ids = [t for t in fields["stop_token_ids"] if t >= limits.vocab_size]
     if bad_ids:
