@@ -142,7 +142,7 @@ class HFReference:
         import transformers
 
         from engine.default_model import default_model_path
-        from engine.hf_reference import hf_model
+        from tests.hf_reference import hf_model
         from engine.dtypes import parse_dtype
 
         transformers.utils.logging.set_verbosity_error()

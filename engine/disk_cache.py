@@ -1,6 +1,6 @@
 """A per-user disk cache of what is slow to rebuild at every start: a model file's metadata, its
 weights (dequantized, or for an fp32 CPU model laid out as it serves: weights.py), transformers' reading
-of it (hf_reference.py), and the compiled attention kernel.
+of it (tests/hf_reference.py), and the compiled attention kernel.
 
 Parsing the default GGUF file's metadata takes gguf-py 2 s and dequantizing its weights 1 s, in the
 router and in every worker, at every start and every scale-up; from here they load in milliseconds.

@@ -28,7 +28,7 @@ CHAT_PROMPTS = [  # tests/test_model_vs_hf.py
 
 
 def _hf_from_gguf(path: Path, dtype: torch.dtype, device: str):
-    from engine.hf_reference import hf_model
+    from tests.hf_reference import hf_model
 
     return hf_model(path, dtype).to(device)  # transformers' own reading of the file, converted once
 

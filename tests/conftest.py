@@ -35,7 +35,7 @@ def smollm_fp32():
 
 @pytest.fixture(scope="session")
 def hf_smollm_fp32(default_gguf):
-    from engine.hf_reference import hf_model
+    from tests.hf_reference import hf_model
 
     return hf_model(default_gguf, torch.float32)  # transformers' own reading of the GGUF file, converted once
 

@@ -5,7 +5,8 @@ with, converted once and kept in the disk cache.
 model on this repo's 2-core machines, in every process that wants the reference. What it makes of the
 file is saved once with `save_pretrained` (keyed by the file's content, like every cache entry, and by the
 transformers version) and loads from there in about a second; the reference is still transformers'
-conversion, not ours. Not used in serving: transformers is a test dependency.
+conversion, not ours. Not used in serving: transformers is a test dependency, so this lives with the tests;
+scripts/gpu_check.py and benchmarks/engine_bench.py import it from here too.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def _logits(loaded, ids):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer_files(tmp_path_factory, default_gguf):
-    from engine.hf_reference import hf_tokenizer
+    from tests.hf_reference import hf_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     hf_tokenizer(default_gguf).save_pretrained(path)

@@ -110,7 +110,7 @@ def tokenizer(gguf_fields):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer():
-    from engine.hf_reference import hf_tokenizer
+    from tests.hf_reference import hf_tokenizer
 
     return hf_tokenizer(default_model_path())
 
