@@ -141,16 +141,21 @@ class KVGroupHeader:
 
 
 def _layout(values: Any) -> KVLayout:
-    """A layout as sent: a list of its fields, each of its own type (4.0 or True compare equal to 4 or 1)."""
+    """A layout as sent: a list of its fields, each of its own type. Refused, not converted, when one is
+    not: 4.0 or True compare equal to 4 or 1, so they would pass the comparison with ours and flow into
+    tensor shapes."""
     if not isinstance(values, list) or len(values) != len(_LAYOUT_FIELDS):
         raise TypeError(f"field 'layout' must be a list of {len(_LAYOUT_FIELDS)} values")
-    return KVLayout(*(_typed(dict(zip(_LAYOUT_FIELDS, values)), name, kind) for name, kind in zip(_LAYOUT_FIELDS, _LAYOUT_TYPES)))
+    return KVLayout(*(_of_type(value, f"layout.{name}", kind) for value, name, kind in zip(values, _LAYOUT_FIELDS, _LAYOUT_TYPES)))
 
 
 def _typed(fields: dict, name: str, kind: type) -> Any:
-    value = fields[name]
+    return _of_type(fields[name], name, kind)
+
+
+def _of_type(value: Any, name: str, kind: type) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise TypeError(f"field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+        raise TypeError(f"field {name!r} must be {kind.__name__}, got {type(value).__name__} {value!r:.40}")
     return value
 
 

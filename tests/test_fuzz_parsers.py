@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.tokenizer import load_tokenizer
-from kvtransfer.errors import KVTransferError
+from kvtransfer.errors import KVTransferError, WireFormatError
 from tests.kv_ends import FP32
 from kvtransfer.wire import KVGroupHeader, group_payload_bytes
 from pdserve_proto import pdserve_pb2 as pb
@@ -292,10 +292,15 @@ def test_the_unmutated_header_decodes():
 
 @pytest.mark.parametrize("index", range(4))
 def test_a_layout_number_sent_as_a_float_is_refused(index):
-    """Found by the mutation fuzz: 4.0 == 4, so a float passes the layout comparison unless typed."""
+    """Found by the mutation fuzz: 4.0 == 4, so a float passes the layout comparison unless typed. The
+    receiver refuses it with an error naming the field, rather than converting it."""
     fields = msgpack.unpackb(VALID_HEADER.encode())
-    fields["layout"][index] = float(fields["layout"][index])
-    _decodes_typed(msgpack.packb(fields))
+    name = dataclasses.fields(FP32)[index].name
+    sent = float(fields["layout"][index])
+    assert sent == getattr(FP32, name)  # equal to ours: only its type is wrong
+    fields["layout"][index] = sent
+    with pytest.raises(WireFormatError, match=rf"field 'layout\.{name}' must be int, got float {sent!r}"):
+        KVGroupHeader.decode(msgpack.packb(fields), FP32)
 
 
 # -- over the wire: one live system ----------------------------------------------------------------
