@@ -6,7 +6,8 @@ sides share the same machine state. `--compare kernel` (the default): the paged 
 kernel against the torch path (gather + SDPA); `--compare packing`: fp32 decode batches on the
 oneDNN-packed weights (engine/cpu_packing.py, AVX2 machines) against the transposed ones alone;
 `--compare mapped` (fp32): the transposed weights memory-mapped from the disk cache, as workers serve
-them, against copies of them in the process's own memory.
+them, against copies of them in the process's own memory; `--compare logprobs`: every sequence asking
+for logprobs with `--top-logprobs` alternatives (20, the most a request may ask) against none asking.
 
     .venv/bin/python -m benchmarks.decode_step_bench [--threads 1] [--context 540] [--batches 1,8,16]
 """
@@ -25,8 +26,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rounds", type=int, default=4, help="alternations of the two paths")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per path per round")
-    parser.add_argument("--compare", choices=["kernel", "packing", "mapped"], default="kernel")
+    parser.add_argument("--compare", choices=["kernel", "packing", "mapped", "logprobs"], default="kernel")
+    parser.add_argument("--top-logprobs", type=int, default=20, help="--compare logprobs: alternatives per token")
     args = parser.parse_args()
+
+    import dataclasses
 
     import torch
 
@@ -53,6 +57,10 @@ def main() -> None:
     copies = [w.clone() for w in mapped] if args.compare == "mapped" else []
 
     def use(on: bool) -> None:
+        if args.compare == "logprobs":
+            for seq in engine.scheduler.running:
+                seq.params = dataclasses.replace(seq.params, logprobs=args.top_logprobs if on else None)
+            return
         if args.compare == "kernel":
             engine.loaded.model.use_decode_kernel(kernel if on else None)
             return
@@ -64,11 +72,12 @@ def main() -> None:
             layer.packed_weight = weight if on else None
 
     before, after = {"kernel": ("torch (gather + SDPA)", "paged kernel"), "packing": ("transposed", "packed"),
-                     "mapped": ("own memory", "mapped")}[args.compare]
+                     "mapped": ("own memory", "mapped"), "logprobs": ("no logprobs", "logprobs")}[args.compare]
     paths = {before: False, after: True}
     generator = torch.Generator().manual_seed(0)
     max_tokens = 2 + args.rounds * len(paths) * args.steps
-    print(f"threads {args.threads}, {args.dtype}, {args.context}-token contexts; median decode step:")
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, {args.dtype}, "
+          f"{args.context}-token contexts; median decode step:")
     for batch in (int(b) for b in args.batches.split(",")):
         ids = [f"b{batch}-{i}" for i in range(batch)]
         for request_id in ids:
@@ -87,8 +96,9 @@ def main() -> None:
                     samples[name].append(time.perf_counter() - started)
         use(True)
         medians = {name: sorted(values)[len(values) // 2] * 1e3 for name, values in samples.items()}
+        change = "" if args.compare != "logprobs" else f" (cost {medians[after] / medians[before] - 1:+.1%})"
         print(f"  batch {batch:3d}: {before} {medians[before]:7.1f} ms, {after} {medians[after]:7.1f} ms, "
-              f"{medians[before] / medians[after]:.2f}x")
+              f"{medians[before] / medians[after]:.2f}x{change}")
         for request_id in ids:
             engine.abort(request_id)
 

@@ -30,18 +30,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
 
 def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], top_n: Sequence[int]) -> list[TokenLogprobs]:
     """Per row of raw fp32 `logits` [rows, vocab]: the log-softmax at `token_ids[row]` and the row's
-    `top_n[row]` most likely tokens. One logsumexp pass and one top-k pass over the rows, the whole
-    log-softmax never materialised (x - logsumexp(x) is its definition)."""
-    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(1, torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)) - norm)
-    chosen_list = chosen.squeeze(1).tolist()
+    `top_n[row]` most likely tokens. (torch's fused log-softmax is faster here than a logsumexp alone:
+    0.37 against 0.67 ms for 16 x 49152 on one AVX-512 core; its top-k is the logits' top-k.)"""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    index = torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
     k = max(top_n)
     if k == 0:
-        return [TokenLogprobs(t, lp) for t, lp in zip(token_ids, chosen_list)]
-    values, indices = logits.topk(k, dim=-1)
-    values_list, indices_list = (values - norm).tolist(), indices.tolist()
+        return [TokenLogprobs(t, lp) for t, lp in zip(token_ids, chosen)]
+    values, indices = logprobs.topk(k, dim=-1)
     return [TokenLogprobs(t, lp, tuple(zip(ids[:n], vals[:n])))
-            for t, lp, ids, vals, n in zip(token_ids, chosen_list, indices_list, values_list, top_n)]
+            for t, lp, ids, vals, n in zip(token_ids, chosen, indices.tolist(), values.tolist(), top_n)]
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, position: int) -> int:

@@ -116,6 +116,40 @@ def test_engine_prompt_logprobs_equal_a_direct_forward_pass_chunked_and_past_the
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
+# -- the wire and the OpenAI shapes ---------------------------------------------------------------------
+
+def test_token_chunks_carry_logprobs_over_the_wire_and_when_joined():
+    from protocol.token_stream import TokenChunk, decode_chunks, encode_chunks
+    from router.output import typed_logprobs
+    from router.token_stream import joined
+
+    first = TokenChunk("r", (5,), logprobs=(TokenLogprobs(5, -0.5, ((5, -0.5), (9, -1.5))),))
+    last = TokenChunk("r", (6,), "length", logprobs=(TokenLogprobs(6, -0.25),))
+    (got_first, got_last), _ = decode_chunks(encode_chunks([first, last]))
+    assert (got_first, got_last) == (first, last)
+    both = joined(got_first, got_last)
+    assert both.token_ids == (5, 6) and typed_logprobs(both.logprobs) == [*first.logprobs, *last.logprobs]
+    assert joined(TokenChunk("r", (1,)), TokenChunk("r", (2,))).logprobs is None
+
+
+def test_openai_shapes_as_vllm_writes_them():
+    from router.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
+
+    class Letters:
+        def decode(self, ids):
+            return f"t{ids[0]}"
+
+    texts = TokenTexts(Letters())
+    sampled = TokenLogprobs(7, -3.0, ((1, -0.1), (2, -0.5), (7, -3.0)))  # sampled, but not among the top 2
+    assert completion_logprobs([(5, None), (7, sampled)], texts, 2, text_offset=10) == {
+        "tokens": ["t5", "t7"], "token_logprobs": [None, -3.0],
+        "top_logprobs": [None, {"t7": -3.0, "t1": -0.1, "t2": -0.5}], "text_offset": [10, 12]}
+    assert completion_logprobs([(7, sampled)], texts, 0)["top_logprobs"] == [{"t7": -3.0}]
+    assert chat_logprobs([(7, TokenLogprobs(7, float("-inf"), ((1, -0.1),)))], texts, 1) == {"content": [
+        {"token": "t7", "logprob": -9999.0, "bytes": [116, 55],
+         "top_logprobs": [{"token": "t1", "logprob": -0.1, "bytes": [116, 49]}]}]}
+
+
 # -- a real system --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=["ray", "grpc"])
