@@ -156,18 +156,22 @@ def test_engine_uses_the_kernel_and_greedy_output_equals_the_torch_path(kernel, 
     assert with_kernel == without
 
 
-@pytest.mark.parametrize("num_tokens", [1, 127, 128, 300])
+@pytest.mark.parametrize("num_tokens,num_cached", [(1, 0), (127, 0), (128, 0), (300, 0), (1, 16), (300, 16),
+                                                   (128, 128), (77, 200)])
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "h{}kv{}d{}".format(*s[:3]))
-def test_blocked_prefill_attention_matches_causal_sdpa(num_tokens, shape):
+def test_blocked_prefill_attention_matches_causal_sdpa(num_tokens, num_cached, shape):
+    """New tokens after `num_cached` context tokens (a cached prefix, an earlier chunk) see all of the context
+    and, among themselves, those before them."""
     num_heads, num_kv_heads, head_dim, _ = shape
-    g = torch.Generator().manual_seed(num_tokens)
+    g = torch.Generator().manual_seed(num_tokens + num_cached)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g).bfloat16()
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
+    k = torch.randn(num_cached + num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
+    v = torch.randn(num_cached + num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
     got = _attention(num_heads, num_kv_heads, head_dim)._blocked_causal_attention(q, k, v)
+    visible = torch.arange(num_cached + num_tokens).unsqueeze(0) <= torch.arange(num_cached, num_cached + num_tokens).unsqueeze(1)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
-        is_causal=True, enable_gqa=True, scale=head_dim**-0.5).transpose(0, 1).reshape(num_tokens, -1)
+        attn_mask=visible, enable_gqa=True, scale=head_dim**-0.5).transpose(0, 1).reshape(num_tokens, -1)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), expected, atol=3e-2, rtol=0)
 
