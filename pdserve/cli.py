@@ -317,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     from pdserve.bench import add_parser as _add_bench
+    from pdserve.planner.commands import add_parsers as _add_planner  # profile, simulate, plan
 
-    for add in (_add_generate, _add_serve, _add_chat, _add_status, _add_scale, _add_demo, _add_bench):
+    for add in (_add_generate, _add_serve, _add_chat, _add_status, _add_scale, _add_demo, _add_bench, _add_planner):
         add(sub)
     return parser
 

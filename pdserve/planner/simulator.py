@@ -1,0 +1,326 @@
+"""`pdserve simulate`: a discrete-event model of a pdserve system as it schedules, timed by a profile.
+
+What it models, and whose code decides:
+- placement: the router's own `router.kv_index.rank` over `WorkerHandle`s whose counters the simulator
+  keeps as the router does (queued prompt tokens, requests in flight), fed a `PrefixIndex` with the
+  blocks each worker holds; the PD decision is `router.pd_policy.decide` itself;
+- a prefill worker: FIFO prompts batched under the engine's token budget, chunked beyond it; a step
+  costs the sum of its sequences' chunks (`Profile.chunk_s`); the first token at the step's end; then
+  the KV handoff (`Profile.handoff_s` of the blocks the decode worker lacks) before decoding starts;
+- a decode or colocated worker: continuous batching as `engine.scheduler.Scheduler.schedule` does it
+  (prefill chunks of `decode_interleave_tokens` alternating with decode steps while streams run, the
+  whole budget when none do); a decode step costs `Profile.decode_step_s(batch, mean context)`;
+- cores (runtime/cores.py): workers are packed onto nodes of the profile's cores with home cores as the
+  workers claim them; workers sharing a home core slow each other down (the busy ones divide it); a step
+  borrows the home cores of idle workers of its node, and a prefill step the cores of a worker that is
+  only decoding, for the slack its streams have against the SLO's TPOT (the engine loop's formula), at
+  most `CorePolicy.max_pause_tpot` budgets: that worker's next step waits meanwhile.
+Not modelled: KV capacity and preemption, Ray call latencies other than the handoff, the client.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
+
+from pdserve.planner.profile import Profile
+from pdserve.planner.report import Report, summarize
+from pdserve.planner.shape import SystemShape
+from pdserve.planner.workload import Request
+from router.kv_index import PrefixIndex, rank
+from router.pd_policy import decide
+from router.pool import WorkerHandle
+from router.slo import SLO
+from runtime.cores import CorePolicy
+
+BLOCK_SIZE_TOKENS = 16
+SLACK_HORIZON_TOKENS = 64  # runtime/engine_loop.py's _SLACK_HORIZON_TOKENS (that module imports torch)
+
+
+@dataclass(eq=False)
+class _Stream:
+    request: Request
+    hashes: list[bytes]
+    computed_tokens: int = 0  # prompt tokens in the KV of the worker prefilling it
+    decode_started_s: float = 0.0  # when it joined a decode batch (the engine loop's clock for slack)
+    queue_s: Optional[float] = None  # arrival to the start of its prefill
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.token_times_s) >= self.request.output_tokens
+
+    @property
+    def context_tokens(self) -> int:
+        return self.request.prompt_tokens + len(self.token_times_s)
+
+
+@dataclass(eq=False)
+class _Worker:
+    handle: WorkerHandle
+    role: str  # "prefill", "decode" or "colocated"
+    node: int
+    home: tuple[int, ...]
+    home_shared: bool = False
+    waiting: deque = field(default_factory=deque)  # streams to prefill here
+    running: list = field(default_factory=list)  # streams decoding here
+    busy_until_s: Optional[float] = None  # in a step until then
+    paused_until_s: float = 0.0  # lending its cores to a prefill until then
+    prefilled_last: bool = False
+    busy_s: float = 0.0
+    decode_steps: int = 0
+    decode_steps_s: float = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.busy_until_s is None and not self.waiting and not self.running
+
+
+class Simulation:
+    def __init__(self, profile: Profile, shape: SystemShape, slo: SLO, node_cores: Optional[int] = None):
+        self.profile, self.shape, self.slo = profile, shape, slo
+        self.node_cores = node_cores or profile.cores
+        self.policy = CorePolicy(tpot_budget_s=slo.tpot_s)
+        self.index = PrefixIndex()
+        self.prefill = [self._worker(f"prefill-{i}", "prefill") for i in range(shape.num_prefill)] \
+            if shape.mode == "disaggregated" else []
+        role = "decode" if shape.mode == "disaggregated" else "colocated"
+        self.decode = [self._worker(f"{role}-{i}", role) for i in range(shape.num_decode)]
+        self._place_on_nodes(self.prefill + self.decode)
+        self._events: list = []
+        self._order = itertools.count()
+        self.now_s = 0.0
+
+    def _worker(self, worker_id: str, role: str) -> _Worker:
+        info = SimpleNamespace(worker_id=worker_id, block_size_tokens=BLOCK_SIZE_TOKENS)
+        return _Worker(WorkerHandle(actor=None, info=info), role, node=0, home=())
+
+    def _place_on_nodes(self, workers: list[_Worker]) -> None:
+        """First fit by Ray CPUs, one node after another; home cores as runtime/cores.py claims them."""
+        cpus = self.shape.cpus_per_worker
+        per_node = max(1, int(self.node_cores / cpus + 1e-9))
+        threads = min(self.shape.threads_per_worker, self.node_cores)
+        for index, worker in enumerate(workers):
+            worker.node = index // per_node
+            used = [0] * self.node_cores
+            for other in workers[:index]:
+                if other.node == worker.node:
+                    for core in other.home:
+                        used[core] += 1
+            worker.home = tuple(sorted(sorted(range(self.node_cores), key=lambda c: (used[c], c))[:threads]))
+        for worker in workers:
+            worker.home_shared = any(set(worker.home) & set(o.home) for o in workers
+                                     if o is not worker and o.node == worker.node)
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self, requests: list[Request]) -> Report:
+        streams = []
+        for request in requests:
+            stream = _Stream(request, _hashes(request))
+            streams.append(stream)
+            self._at(request.arrival_s, self._arrive, stream)
+        while self._events:
+            self.now_s, _, action, argument = heapq.heappop(self._events)
+            action(argument)
+            for worker in self.prefill + self.decode:
+                if worker.busy_until_s is None and worker.paused_until_s <= self.now_s:
+                    self._start_step(worker)
+        return summarize(streams, self)
+
+    def _at(self, time_s: float, action, argument) -> None:
+        heapq.heappush(self._events, (time_s, next(self._order), action, argument))
+
+    def _arrive(self, stream: _Stream) -> None:
+        hashes = stream.hashes[: stream.request.prompt_tokens // BLOCK_SIZE_TOKENS] \
+            if self.shape.routing == "prefix" else []
+        tokens = stream.request.prompt_tokens
+        routing = self.shape.routing_config
+        local = rank(routing, self.index, [w.handle for w in self.decode], hashes, tokens, "decode")[0]
+        path = "local"
+        if self.shape.mode == "disaggregated":
+            remote = rank(routing, self.index, [w.handle for w in self.prefill], hashes, tokens, "prefill")[0]
+            path = decide(self.shape.pd, tokens, remote.worker.queued_prompt_tokens,
+                          local.worker.queued_prompt_tokens, remote.cached_tokens, local.cached_tokens).path
+        decode = self._by_handle(local.worker)
+        decode.handle.in_flight += 1
+        if path == "remote":
+            prefill = self._by_handle(remote.worker)
+            prefill.handle.queued_prompt_tokens += tokens
+            prefill.handle.in_flight += 1
+            stream.computed_tokens = remote.cached_tokens
+            stream.decode_worker = decode  # where its KV goes
+            prefill.waiting.append(stream)
+        else:
+            decode.handle.queued_prompt_tokens += tokens
+            stream.computed_tokens = local.cached_tokens
+            stream.decode_worker = decode
+            decode.waiting.append(stream)
+
+    def _by_handle(self, handle: WorkerHandle) -> _Worker:
+        return next(w for w in self.prefill + self.decode if w.handle is handle)
+
+    # -- a worker's next step, as engine.scheduler.Scheduler.schedule picks it ----------------------
+
+    def _start_step(self, worker: _Worker) -> None:
+        budget = self.shape.max_num_batched_tokens
+        interleave = self.shape.decode_interleave_tokens
+        if worker.role == "prefill" or interleave is None or not worker.running:
+            batch = self._prefill_batch(worker, budget) or self._decode_batch(worker)
+        elif worker.prefilled_last:
+            batch = self._decode_batch(worker) or self._prefill_batch(worker, min(interleave, budget))
+        else:
+            batch = self._prefill_batch(worker, min(interleave, budget)) or self._decode_batch(worker)
+        if batch is None:
+            return
+        is_prefill, chunks = batch
+        worker.prefilled_last = is_prefill
+        for stream, _ in chunks if is_prefill else ():
+            if stream.queue_s is None:
+                stream.queue_s = self.now_s - stream.request.arrival_s
+        duration_s = self._duration_s(worker, is_prefill, chunks)
+        worker.busy_until_s = self.now_s + duration_s
+        worker.busy_s += duration_s
+        self._at(worker.busy_until_s, self._step_done, (worker, is_prefill, chunks, duration_s))
+
+    def _prefill_batch(self, worker: _Worker, budget: int):
+        chunks = []
+        for stream in worker.waiting:
+            if budget == 0:
+                break
+            chunk = min(stream.request.prompt_tokens - stream.computed_tokens, budget)
+            chunks.append((stream, chunk))
+            budget -= chunk
+        return (True, chunks) if chunks else None
+
+    def _decode_batch(self, worker: _Worker):
+        return (False, [(stream, 1) for stream in worker.running]) if worker.running else None
+
+    def _step_s(self, worker: _Worker, is_prefill: bool, chunks, threads: int) -> float:
+        if is_prefill:
+            return sum(self.profile.chunk_s(s.computed_tokens, s.computed_tokens + n, threads) for s, n in chunks)
+        context = sum(s.context_tokens for s, _ in chunks) / len(chunks)
+        return self.profile.decode_step_s(len(chunks), context, threads)
+
+    def _duration_s(self, worker: _Worker, is_prefill: bool, chunks) -> float:
+        node = [w for w in self.prefill + self.decode if w.node == worker.node and w is not worker]
+        # Busy workers sharing a home core divide it.
+        sharing = max((1 + sum(1 for o in node if o.busy_until_s is not None and core in o.home)
+                       for core in worker.home), default=1)
+        threads = len(worker.home)
+        lenders = []
+        if self.shape.lend_cores and not worker.home_shared:
+            lenders = [o for o in node if o.idle and not o.home_shared]
+            threads += sum(len(o.home) for o in lenders)
+        base_s = self._step_s(worker, is_prefill, chunks, threads) * sharing
+        if not (is_prefill and self.shape.lend_cores and not worker.home_shared):
+            return base_s
+        for owner in node:  # a decoding owner lends its cores within its streams' TPOT slack
+            if owner in lenders or owner.home_shared or owner.waiting or not owner.running:
+                continue
+            wait_s = max(0.0, (owner.busy_until_s or self.now_s) - self.now_s)
+            slack_s = self._slack_s(owner, self.now_s + wait_s)
+            pause_s = min(slack_s, self.policy.max_pause_tpot * self.slo.tpot_s)
+            if pause_s <= 0.005 or wait_s >= base_s:
+                continue
+            fast_s = self._step_s(worker, is_prefill, chunks, threads + len(owner.home)) * sharing
+            left = 1.0 - wait_s / base_s  # of the step's work, when the owner's step ends
+            if left * fast_s <= pause_s:
+                owner.paused_until_s = self.now_s + wait_s + left * fast_s
+                return wait_s + left * fast_s
+            owner.paused_until_s = self.now_s + wait_s + pause_s
+            return wait_s + pause_s + (left - pause_s / fast_s) * base_s
+        return base_s
+
+    def _slack_s(self, owner: _Worker, now_s: float) -> float:
+        """runtime/engine_loop.py's `_decode_slack_s` for the owner's running streams."""
+        if not owner.decode_steps:
+            return 0.0
+        step_s = owner.decode_steps_s / owner.decode_steps
+        budget = self.policy.tpot_share * self.slo.tpot_s
+
+        def slack(stream: _Stream) -> float:
+            tokens = len(stream.token_times_s)
+            final = max(tokens, min(stream.request.output_tokens, tokens + SLACK_HORIZON_TOKENS))
+            return budget * final - (now_s - stream.decode_started_s) - (final - tokens + 1) * step_s
+
+        return min(slack(stream) for stream in owner.running)
+
+    # -- step ends -------------------------------------------------------------------------------
+
+    def _step_done(self, argument) -> None:
+        worker, is_prefill, chunks, duration_s = argument
+        worker.busy_until_s = None
+        if not is_prefill:
+            worker.decode_steps += 1
+            worker.decode_steps_s += duration_s
+        for stream, chunk in chunks:
+            if not is_prefill:
+                self._emit(stream)
+                if stream.done:
+                    self._finish(worker, stream)
+                continue
+            stream.computed_tokens += chunk
+            if stream.computed_tokens < stream.request.prompt_tokens:
+                continue
+            worker.waiting.remove(stream)
+            worker.handle.queued_prompt_tokens -= stream.request.prompt_tokens
+            self._store(worker, stream, stream.request.prompt_tokens)
+            self._emit(stream)  # the first token
+            if worker.role == "prefill":
+                worker.handle.in_flight -= 1
+                if stream.done:
+                    self._finish(stream.decode_worker, stream)
+                else:
+                    self._at(self.now_s + self._handoff_s(stream), self._kv_ready, stream)
+            elif stream.done:
+                self._finish(worker, stream)
+            else:
+                stream.decode_started_s = self.now_s
+                worker.running.append(stream)
+
+    def _emit(self, stream: _Stream) -> None:
+        stream.token_times_s.append(self.now_s + self.profile.router_cpu_s_per_token)
+
+    def _handoff_s(self, stream: _Stream) -> float:
+        held = self.index.cached_blocks(stream.hashes[: stream.request.prompt_tokens // BLOCK_SIZE_TOKENS],
+                                        [stream.decode_worker.handle.worker_id]).get(
+            stream.decode_worker.handle.worker_id, 0)
+        blocks = -(-stream.request.prompt_tokens // BLOCK_SIZE_TOKENS) - held
+        return self.profile.handoff_s(blocks * BLOCK_SIZE_TOKENS * self.profile.kv_bytes_per_token, self.shape.transport)
+
+    def _kv_ready(self, stream: _Stream) -> None:
+        worker = stream.decode_worker
+        self._store(worker, stream, stream.request.prompt_tokens)
+        stream.decode_started_s = self.now_s
+        worker.running.append(stream)
+
+    def _finish(self, worker: _Worker, stream: _Stream) -> None:
+        if stream in worker.running:
+            worker.running.remove(stream)
+        worker.handle.in_flight -= 1
+        self._store(worker, stream, stream.request.prompt_tokens + stream.request.output_tokens)
+
+    def _store(self, worker: _Worker, stream: _Stream, tokens: int) -> None:
+        if self.shape.routing == "prefix":
+            self.index.apply(worker.handle.worker_id,
+                             ((True, h) for h in stream.hashes[: tokens // BLOCK_SIZE_TOKENS]))
+
+    @property
+    def workers(self) -> list[_Worker]:
+        return self.prefill + self.decode
+
+
+def _hashes(request: Request) -> list[bytes]:
+    """The conversation's block chain: a later turn's prompt starts with the same blocks."""
+    total = request.prompt_tokens + request.output_tokens
+    return [f"{request.conversation}:{i}".encode() for i in range(total // BLOCK_SIZE_TOKENS)]
+
+
+def simulate(profile: Profile, shape: SystemShape, slo: SLO, requests: list[Request],
+             node_cores: Optional[int] = None) -> Report:
+    return Simulation(profile, shape, slo, node_cores).run(requests)
