@@ -11,7 +11,9 @@ setup: $(VENV)/.bootstrapped
 demo: $(VENV)/.bootstrapped
 	$(VENV)/bin/pdserve demo
 
+# Lint and format checks first (seconds), so a badly formatted tree fails before the suite runs.
 test: $(VENV)/.bootstrapped
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.bootstrapped

@@ -68,8 +68,8 @@ class OurEngine:
     name = "pdserve engine"
 
     def __init__(self, dtype: str):
-        from engine.llm_engine import EngineConfig, LLMEngine
         from engine.dtypes import parse_dtype
+        from engine.llm_engine import EngineConfig, LLMEngine
         from engine.weights import load_model
 
         loaded = load_model("default", parse_dtype(dtype))
@@ -142,8 +142,8 @@ class HFReference:
         import transformers
 
         from engine.default_model import default_model_path
-        from tests.hf_reference import hf_model
         from engine.dtypes import parse_dtype
+        from tests.hf_reference import hf_model
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()

@@ -25,8 +25,7 @@ def _cpu_s() -> float:
 async def _serve(tick_s: float, ready: Future, done: threading.Event) -> None:
     import grpc
 
-    from pdserve_proto import pdserve_pb2 as pb
-    from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve_proto import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 
     ticks: list[asyncio.Queue] = []
 
@@ -53,8 +52,7 @@ async def _serve(tick_s: float, ready: Future, done: threading.Event) -> None:
 def _clients(port: int, streams: int, messages: int) -> int:
     import grpc
 
-    from pdserve_proto import pdserve_pb2 as pb
-    from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve_proto import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 
     def one(index: int) -> int:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

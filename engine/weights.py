@@ -15,8 +15,15 @@ import torch
 
 from engine import disk_cache
 from engine.config import NAMED_SHAPES, ModelConfig
-from engine.cpu_packing import (TransposedLinear, decode_packing_supported, linear_slots, pack_for_decode,
-                                 pack_linears, packing_supported, transposing_supported)
+from engine.cpu_packing import (
+    TransposedLinear,
+    decode_packing_supported,
+    linear_slots,
+    pack_for_decode,
+    pack_linears,
+    packing_supported,
+    transposing_supported,
+)
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
 from engine.dtypes import resolve_device
 from engine.model import LlamaModel, rope_inv_freq

@@ -50,7 +50,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pdserve.bench_backends import GrpcBackend, OpenAIBackend, StreamClock
-from pdserve.bench_metrics import RequestRecord, compute_metrics, format_result, format_sweep, per_turn_metrics
+from pdserve.bench_metrics import (
+    RequestRecord,
+    compute_metrics,
+    format_result,
+    format_sweep,
+    per_turn_metrics,
+)
 
 BACKENDS = ("grpc", "openai", "openai-chat")
 DATASETS = ("random", "conversation")

@@ -9,8 +9,7 @@ from typing import Iterator, Optional, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve_proto import pdserve_pb2 as pb
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 
 
 @dataclass

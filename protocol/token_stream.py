@@ -10,7 +10,6 @@ from typing import Optional, Sequence
 
 import msgpack
 
-
 WireLogprobs = tuple  # (token id, logprob, ((token id, logprob), ...)): engine.sampling_params.TokenLogprobs
 
 

@@ -7,18 +7,17 @@ import logging
 from typing import Callable, Optional
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.sampling_params import TokenLogprobs
-from pdserve_proto import pdserve_pb2 as pb
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 from router.auth import AuthError, Credentials
-from router.logs import request_context
-from router.pool import WorkerStartError
 from router.failures import describe_failure
+from router.logs import request_context
 from router.output import StreamItem
+from router.pool import WorkerStartError
 from router.router import Router
 from router.validation import RequestValidationError, ValidationLimits, validate
 

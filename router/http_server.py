@@ -20,16 +20,31 @@ from typing import Awaitable, Callable, Optional
 from aiohttp import web
 
 from router.auth import AuthError, Credentials
-from router.logs import request_context
-from router.pool import WorkerStartError
-from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics, Snapshot
-from router.openai_api import (SSE_DONE, ApiError, ParsedRequest, ResponseShape, invalid, openai_param, parse_body,
-                               parse_request, sse)
-from router.openai_logprobs import TokenTexts
 from router.failures import describe_failure
+from router.logs import request_context
+from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics, Snapshot
+from router.openai_api import (
+    SSE_DONE,
+    ApiError,
+    ParsedRequest,
+    ResponseShape,
+    invalid,
+    openai_param,
+    parse_body,
+    parse_request,
+    sse,
+)
+from router.openai_logprobs import TokenTexts
 from router.output import StreamItem
+from router.pool import WorkerStartError
 from router.router import Router
-from router.validation import MAX_REQUEST_ID_CHARS, RequestValidationError, ValidatedRequest, ValidationLimits, validate
+from router.validation import (
+    MAX_REQUEST_ID_CHARS,
+    RequestValidationError,
+    ValidatedRequest,
+    ValidationLimits,
+    validate,
+)
 
 log = logging.getLogger(__name__)
 

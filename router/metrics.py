@@ -12,7 +12,14 @@ import collections
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 from protocol.messages import WorkerLoad
@@ -43,7 +50,10 @@ class Snapshot:
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        histogram = lambda name, text, buckets=LATENCY_BUCKETS_S: Histogram(name, text, buckets=buckets, registry=self.registry)
+
+        def histogram(name: str, text: str, buckets=LATENCY_BUCKETS_S) -> Histogram:
+            return Histogram(name, text, buckets=buckets, registry=self.registry)
+
         self.ttft = histogram("pdserve_time_to_first_token_seconds", "Request received to first token sent")
         self.tpot = histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the first, per request")
         self.itl = histogram("pdserve_inter_token_latency_seconds", "Gap between consecutive streamed messages of a request")

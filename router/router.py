@@ -22,8 +22,14 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from protocol.messages import PrefillResult
 from protocol.token_stream import TokenChunk
-from router.failures import (AdmissionTimeoutError, DuplicateRequestError, RequestAborted, WorkerError, WorkerLost,
-                             is_actor_death)
+from router.failures import (
+    AdmissionTimeoutError,
+    DuplicateRequestError,
+    RequestAborted,
+    WorkerError,
+    WorkerLost,
+    is_actor_death,
+)
 from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
 from router.metrics import RouterMetrics
 from router.output import FinalInfo, Progress, StreamItem, typed_logprobs

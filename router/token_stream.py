@@ -22,7 +22,13 @@ from typing import Callable, Optional
 
 import grpc
 
-from protocol.token_stream import OUTPUT_STREAM_METHOD, OUTPUT_STREAM_VERSION, TokenChunk, decode_chunks, decode_hello
+from protocol.token_stream import (
+    OUTPUT_STREAM_METHOD,
+    OUTPUT_STREAM_VERSION,
+    TokenChunk,
+    decode_chunks,
+    decode_hello,
+)
 from router.failures import WorkerError, WorkerLost
 from router.kv_index import PrefixIndex
 from router.pool import WorkerHandle

@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine
 from engine.dtypes import dtype_reason, resolve_device
+from engine.llm_engine import EngineConfig, LLMEngine
 from protocol.messages import WorkerInfo
 from runtime.cores import CorePolicy, CoreShare
 from runtime.cpus import usable_cpus

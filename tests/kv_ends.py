@@ -10,7 +10,6 @@ import torch
 from engine.block_manager import BlockAllocator
 from engine.kv_cache import KVLayout, PagedKVCache
 
-
 # Small layouts and sizes the kvtransfer tests share.
 FP32 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size_tokens=4, dtype="float32")
 LAYER_GROUPS = {"whole": [slice(None)], "layerwise": [slice(0, 1), slice(1, 3), slice(3, None)]}

@@ -10,8 +10,16 @@ import socket
 import numpy as np
 import pytest
 
-from pdserve.bench import (BenchConfig, Prompt, RequestRecord, arrival_times_s, compute_metrics, random_prompts,
-                           run_rate, sweep)
+from pdserve.bench import (
+    BenchConfig,
+    Prompt,
+    RequestRecord,
+    arrival_times_s,
+    compute_metrics,
+    random_prompts,
+    run_rate,
+    sweep,
+)
 
 METRIC_FIELDS = [f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
                  for stat in ("mean", "median", "std", "p50", "p99")]

@@ -11,8 +11,16 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench import (BenchConfig, RequestRecord, add_parser, arrival_times_s, config_from_args, conversations,
-                           run_conversations, sweep)
+from pdserve.bench import (
+    BenchConfig,
+    RequestRecord,
+    add_parser,
+    arrival_times_s,
+    config_from_args,
+    conversations,
+    run_conversations,
+    sweep,
+)
 from pdserve.bench_backends import GrpcBackend
 from pdserve.bench_metrics import compute_metrics, format_result, per_turn_metrics
 

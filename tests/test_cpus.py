@@ -1,7 +1,6 @@
 """The one CPU count (runtime/cpus.py) against fake cgroup trees: the affinity mask lowered to the CPU
 quota, v2 and v1, the quota of an ancestor cgroup, none set."""
 
-from pathlib import Path
 
 import pytest
 

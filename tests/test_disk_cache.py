@@ -154,6 +154,7 @@ def test_the_cache_is_pruned_least_recently_used_first_never_the_entry_just_writ
     os.utime(stale, (0, 0))
     c = write(sources[2])
     assert sorted(cache.iterdir()) == sorted([a, c])  # b went; so did the write a dead process left
+    assert not b.exists()
     converted = disk_cache.entry_path(sources[1], "hf-transformers", "")  # a directory entry (tests/hf_reference.py)
     converted.mkdir()
     (converted / "model.safetensors").write_bytes(bytes(2**20))

@@ -206,7 +206,12 @@ def test_the_decode_kernel_is_chosen_by_device():
 
 
 def test_an_unset_kv_cache_is_sized_from_available_memory(tiny):
-    from engine.kv_cache import AUTO_KV_MAX_BYTES, AUTO_KV_MIN_BYTES, _available_memory_bytes, auto_kv_cache_bytes
+    from engine.kv_cache import (
+        AUTO_KV_MAX_BYTES,
+        AUTO_KV_MIN_BYTES,
+        _available_memory_bytes,
+        auto_kv_cache_bytes,
+    )
 
     size = auto_kv_cache_bytes()
     assert AUTO_KV_MIN_BYTES <= size <= AUTO_KV_MAX_BYTES

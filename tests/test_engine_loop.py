@@ -47,9 +47,9 @@ def test_a_mid_step_call_runs_at_a_layer_boundary_and_a_plain_one_waits_for_the_
             assert ran == ["mid"]
         loop._between_steps()  # the step ended
         assert ran == ["mid", "plain"]
-        return await mid
+        return await mid, await plain
 
-    assert asyncio.run(scenario()) == "reserved"
+    assert asyncio.run(scenario()) == ("reserved", None)
 
 
 def test_the_slack_is_what_the_youngest_stream_can_spare_and_none_with_prompt_work_or_no_budget(stopped_loop):

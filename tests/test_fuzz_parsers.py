@@ -15,18 +15,23 @@ import grpc
 import msgpack
 import pytest
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from engine.tokenizer import load_tokenizer
 from kvtransfer.errors import KVTransferError, WireFormatError
-from tests.kv_ends import FP32
 from kvtransfer.wire import KVGroupHeader, group_payload_bytes
-from pdserve_proto import pdserve_pb2 as pb
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.openai_api import (_NEUTRAL, CHAT_FIELDS, COMPLETION_FIELDS, ApiError, openai_param, parse_body,
-                               parse_request)
+from pdserve_proto import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from router.openai_api import (
+    _NEUTRAL,
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    ApiError,
+    openai_param,
+    parse_body,
+    parse_request,
+)
 from router.validation import RequestValidationError, ValidationLimits, validate
+from tests.kv_ends import FP32
 
 PURE = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 OVER_THE_WIRE = settings(PURE, max_examples=100)

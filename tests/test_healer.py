@@ -4,9 +4,9 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from protocol.messages import WorkerInfo
 from pdserve.pools import PoolManager
 from pdserve.system import ServeConfig
+from protocol.messages import WorkerInfo
 from router.pool import WorkerHandle, WorkerPool
 from router.router import Router, RouterConfig
 

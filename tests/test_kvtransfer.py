@@ -24,8 +24,8 @@ from kvtransfer import (
     create_sender,
 )
 from kvtransfer.grpc_transport import PUSH_METHOD
-from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd
 from kvtransfer.wire import WIRE_VERSION
+from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd
 
 BF16 = KVLayout(num_layers=5, num_kv_heads=3, head_dim=64, block_size_tokens=16, dtype="bfloat16")
 

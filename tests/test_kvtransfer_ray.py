@@ -24,8 +24,8 @@ from kvtransfer import (  # noqa: E402
     create_sender,
 )
 from kvtransfer.ray_transport import RayKVDelivery  # noqa: E402
-from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd, KVEndWorker  # noqa: E402
 from kvtransfer.wire import KVGroupHeader  # noqa: E402
+from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd, KVEndWorker  # noqa: E402
 
 BF16 = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64, block_size_tokens=16, dtype="bfloat16")
 

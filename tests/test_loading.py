@@ -128,7 +128,11 @@ def test_fp32_cpu_models_use_transposed_linears_that_match_f_linear(monkeypatch)
 
 
 def test_fp32_decode_batches_on_avx2_use_onednn_packed_weights_beside_the_transposed_ones():
-    from engine.cpu_packing import DECODE_PACKED_MAX_ROWS, TransposedLinear, decode_packing_supported
+    from engine.cpu_packing import (
+        DECODE_PACKED_MAX_ROWS,
+        TransposedLinear,
+        decode_packing_supported,
+    )
 
     # Chosen by the CPU's ISA (measured: faster on AVX2, not on AVX-512); the layer works on either.
     assert decode_packing_supported() == (torch.backends.cpu.get_cpu_capability() == "AVX2")

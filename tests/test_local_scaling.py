@@ -8,7 +8,6 @@ import pytest
 from runtime.cpus import usable_cpus
 from tests.serving_harness import Harness
 
-
 pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster down: runs first
 
 

@@ -14,9 +14,9 @@ import aiohttp
 import grpc
 import pytest
 
-from runtime.telemetry import rss_bytes
 from pdserve.client import PdserveClient
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from runtime.telemetry import rss_bytes
 
 PROMPTS = ["The sun is", "Rivers flow", "My favourite food is", "In the morning I"]
 STREAMS = 200

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.block_manager import BlockAllocator
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
-from engine.sampling_params import SamplingParams
 from router.pd_policy import Decision, PDPolicyConfig, decide
 
 

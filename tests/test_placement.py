@@ -8,7 +8,6 @@ import pytest
 from pdserve.client import PdserveClient
 from pdserve.system import ServeConfig, start_system
 
-
 pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster down: runs first
 
 

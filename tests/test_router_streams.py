@@ -13,7 +13,13 @@ import msgpack
 import pytest
 
 from protocol.messages import WorkerInfo
-from protocol.token_stream import OUTPUT_STREAM_SERVICE, OUTPUT_STREAM_VERSION, TokenChunk, decode_chunks, encode_chunks
+from protocol.token_stream import (
+    OUTPUT_STREAM_SERVICE,
+    OUTPUT_STREAM_VERSION,
+    TokenChunk,
+    decode_chunks,
+    encode_chunks,
+)
 from router.failures import WorkerError, WorkerLost
 from router.pool import WorkerHandle, WorkerPool
 from router.router import Router, RouterConfig, _Request

@@ -6,7 +6,6 @@ import time
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def system(harness):
     running = harness.start(transport="ray")

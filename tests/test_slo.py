@@ -10,10 +10,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.dtypes import AUTO_DTYPE_ENV
 from router.output import FinalInfo
 from router.pool import WorkerPool
 from router.router import Router, RouterConfig
-from engine.dtypes import AUTO_DTYPE_ENV
 from router.slo import DEFAULT_SLO, FAST_SLO, FP32_CPU_SLO, SLO, auto_slo
 
 

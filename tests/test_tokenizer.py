@@ -7,7 +7,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import types
 
 import pytest
-import transformers
 
 from engine import gguf_loader
 from engine.default_model import default_model_path
