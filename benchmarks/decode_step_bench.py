@@ -26,8 +26,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rounds", type=int, default=4, help="alternations of the two paths")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per path per round")
-    parser.add_argument("--compare", choices=["kernel", "packing", "mapped", "logprobs"], default="kernel")
-    parser.add_argument("--top-logprobs", type=int, default=20, help="--compare logprobs: alternatives per token")
+    parser.add_argument(
+        "--compare", choices=["kernel", "packing", "mapped", "logprobs"], default="kernel"
+    )
+    parser.add_argument(
+        "--top-logprobs", type=int, default=20, help="--compare logprobs: alternatives per token"
+    )
     args = parser.parse_args()
 
     import dataclasses
@@ -43,23 +47,35 @@ def main() -> None:
     if args.compare == "mapped":
         from engine.weights import load_model
 
-        load_model("default", torch.float32)  # writes the disk cache's serving entry if it is not there
-    engine = LLMEngine(EngineConfig(model="default", dtype=args.dtype, num_threads=args.threads,
-                                    kv_cache_bytes=2 << 30, detokenize=False))
+        # writes the disk cache's serving entry if it is not there
+        load_model("default", torch.float32)
+    engine = LLMEngine(
+        EngineConfig(
+            model="default",
+            dtype=args.dtype,
+            num_threads=args.threads,
+            kv_cache_bytes=2 << 30,
+            detokenize=False,
+        )
+    )
     kernel = load_kernel()
     if kernel is None:
         raise SystemExit("the kernel is not available here (no C compiler?): nothing to compare")
     layers = [m for m in engine.loaded.model.modules() if isinstance(m, TransposedLinear)]
     packed = [m.packed_weight for m in layers]
     if args.compare == "packing" and not any(p is not None for p in packed):
-        raise SystemExit("no packed decode weights here (fp32 on an AVX2 CPU only): nothing to compare")
+        raise SystemExit(
+            "no packed decode weights here (fp32 on an AVX2 CPU only): nothing to compare"
+        )
     mapped = [m.weight_t for m in layers]
     copies = [w.clone() for w in mapped] if args.compare == "mapped" else []
 
     def use(on: bool) -> None:
         if args.compare == "logprobs":
             for seq in engine.scheduler.running:
-                seq.params = dataclasses.replace(seq.params, logprobs=args.top_logprobs if on else None)
+                seq.params = dataclasses.replace(
+                    seq.params, logprobs=args.top_logprobs if on else None
+                )
             return
         if args.compare == "kernel":
             engine.loaded.model.use_decode_kernel(kernel if on else None)
@@ -71,18 +87,28 @@ def main() -> None:
         for layer, weight in zip(layers, packed):
             layer.packed_weight = weight if on else None
 
-    before, after = {"kernel": ("torch (gather + SDPA)", "paged kernel"), "packing": ("transposed", "packed"),
-                     "mapped": ("own memory", "mapped"), "logprobs": ("no logprobs", "logprobs")}[args.compare]
+    before, after = {
+        "kernel": ("torch (gather + SDPA)", "paged kernel"),
+        "packing": ("transposed", "packed"),
+        "mapped": ("own memory", "mapped"),
+        "logprobs": ("no logprobs", "logprobs"),
+    }[args.compare]
     paths = {before: False, after: True}
     generator = torch.Generator().manual_seed(0)
     max_tokens = 2 + args.rounds * len(paths) * args.steps
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, {args.dtype}, "
-          f"{args.context}-token contexts; median decode step:")
+    print(
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, {args.dtype}, "
+        f"{args.context}-token contexts; median decode step:"
+    )
     for batch in (int(b) for b in args.batches.split(",")):
         ids = [f"b{batch}-{i}" for i in range(batch)]
         for request_id in ids:
             prompt = torch.randint(100, 40000, (args.context,), generator=generator).tolist()
-            engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
+            engine.add_request(
+                request_id,
+                prompt,
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0),
+            )
         while engine.scheduler.waiting:  # prefill everything first
             engine.step()
         engine.step()
@@ -96,9 +122,15 @@ def main() -> None:
                     samples[name].append(time.perf_counter() - started)
         use(True)
         medians = {name: sorted(values)[len(values) // 2] * 1e3 for name, values in samples.items()}
-        change = "" if args.compare != "logprobs" else f" (cost {medians[after] / medians[before] - 1:+.1%})"
-        print(f"  batch {batch:3d}: {before} {medians[before]:7.1f} ms, {after} {medians[after]:7.1f} ms, "
-              f"{medians[before] / medians[after]:.2f}x{change}")
+        change = (
+            ""
+            if args.compare != "logprobs"
+            else f" (cost {medians[after] / medians[before] - 1:+.1%})"
+        )
+        print(
+            f"  batch {batch:3d}: {before} {medians[before]:7.1f} ms, {after} {medians[after]:7.1f} ms, "
+            f"{medians[before] / medians[after]:.2f}x{change}"
+        )
         for request_id in ids:
             engine.abort(request_id)
 

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its progress bar with tqdm directly
+# transformers' GGUF loader draws its progress bar with tqdm directly
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch
 
@@ -75,10 +76,20 @@ class OurEngine:
         loaded = load_model("default", parse_dtype(dtype))
         block_size_tokens = 16
         blocks_per_seq = -(-(BATCH_PROMPT_TOKENS + BATCH_OUTPUT_TOKENS) // block_size_tokens) + 1
-        kv_cache_bytes = BATCH_SIZE * blocks_per_seq * block_size_tokens * loaded.config.kv_bytes_per_token(parse_dtype(dtype))
+        kv_cache_bytes = (
+            BATCH_SIZE
+            * blocks_per_seq
+            * block_size_tokens
+            * loaded.config.kv_bytes_per_token(parse_dtype(dtype))
+        )
         config = EngineConfig(
-            model="default", dtype=dtype, num_threads=NUM_THREADS, enable_prefix_caching=False,
-            block_size_tokens=block_size_tokens, kv_cache_bytes=kv_cache_bytes, max_num_seqs=BATCH_SIZE,
+            model="default",
+            dtype=dtype,
+            num_threads=NUM_THREADS,
+            enable_prefix_caching=False,
+            block_size_tokens=block_size_tokens,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=BATCH_SIZE,
         )
         self.engine = LLMEngine(config, loaded)
         self._next_id = 0
@@ -88,7 +99,11 @@ class OurEngine:
 
         self._next_id += 1
         request_id = f"bench-{self._next_id}"
-        self.engine.add_request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        self.engine.add_request(
+            request_id,
+            prompt_ids,
+            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        )
         return request_id
 
     def first_token(self, prompt_ids: list[int]) -> tuple[float, int]:
@@ -153,10 +168,17 @@ class HFReference:
         if isinstance(self.pad_token_id, list):
             self.pad_token_id = self.pad_token_id[0]
 
-    def _generate(self, input_ids: torch.Tensor, num_output_tokens: int, streamer=None) -> torch.Tensor:
+    def _generate(
+        self, input_ids: torch.Tensor, num_output_tokens: int, streamer=None
+    ) -> torch.Tensor:
         return self.model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=num_output_tokens,
-            min_new_tokens=num_output_tokens, do_sample=False, pad_token_id=self.pad_token_id, streamer=streamer,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=num_output_tokens,
+            min_new_tokens=num_output_tokens,
+            do_sample=False,
+            pad_token_id=self.pad_token_id,
+            streamer=streamer,
         )
 
     @torch.inference_mode()
@@ -185,7 +207,9 @@ class HFReference:
 
 
 def random_prompts(rng: random.Random, num_prompts: int, num_tokens: int) -> list[list[int]]:
-    return [[rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(num_tokens)] for _ in range(num_prompts)]
+    return [
+        [rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(num_tokens)] for _ in range(num_prompts)
+    ]
 
 
 def warm_up(engine) -> None:
@@ -213,7 +237,11 @@ def measure_once(engine, rng_seed: int) -> tuple[dict[str, float], list[int]]:
     `others_cpu_share` is the fraction of the machine's CPU time that other processes used meanwhile:
     on a shared machine it says how far to trust the sample.
     """
-    start_wall_s, start_own_s, start_busy_s = time.perf_counter(), time.process_time(), machine_busy_s()
+    start_wall_s, start_own_s, start_busy_s = (
+        time.perf_counter(),
+        time.process_time(),
+        machine_busy_s(),
+    )
     rng = random.Random(rng_seed)
     sample: dict[str, float] = {}
     first_tokens = []
@@ -225,16 +253,24 @@ def measure_once(engine, rng_seed: int) -> tuple[dict[str, float], list[int]]:
     gc.collect()
     timing = engine.stream(random_prompts(rng, 1, STREAM_PROMPT_TOKENS)[0], STREAM_OUTPUT_TOKENS)
     if timing.num_output_tokens != STREAM_OUTPUT_TOKENS:
-        raise RuntimeError(f"{engine.name} produced {timing.num_output_tokens} tokens, asked for {STREAM_OUTPUT_TOKENS}")
+        raise RuntimeError(
+            f"{engine.name} produced {timing.num_output_tokens} tokens, asked for {STREAM_OUTPUT_TOKENS}"
+        )
     sample["tpot_ms"] = timing.tpot_s * 1e3
     gc.collect()
-    num_tokens, wall_s = engine.batch(random_prompts(rng, BATCH_SIZE, BATCH_PROMPT_TOKENS), BATCH_OUTPUT_TOKENS)
+    num_tokens, wall_s = engine.batch(
+        random_prompts(rng, BATCH_SIZE, BATCH_PROMPT_TOKENS), BATCH_OUTPUT_TOKENS
+    )
     if num_tokens != BATCH_SIZE * BATCH_OUTPUT_TOKENS:
-        raise RuntimeError(f"{engine.name} produced {num_tokens} tokens, asked for {BATCH_SIZE * BATCH_OUTPUT_TOKENS}")
+        raise RuntimeError(
+            f"{engine.name} produced {num_tokens} tokens, asked for {BATCH_SIZE * BATCH_OUTPUT_TOKENS}"
+        )
     sample["throughput_tok_s"] = num_tokens / wall_s
     if start_busy_s is not None:
         others_s = machine_busy_s() - start_busy_s - (time.process_time() - start_own_s)
-        sample["others_cpu_share"] = max(0.0, others_s) / ((time.perf_counter() - start_wall_s) * os.cpu_count())
+        sample["others_cpu_share"] = max(0.0, others_s) / (
+            (time.perf_counter() - start_wall_s) * os.cpu_count()
+        )
     return sample, first_tokens
 
 
@@ -245,21 +281,32 @@ def bench_dtype(dtype: str, repeats: int) -> dict:
         engine = cls(dtype)
         load_s = time.perf_counter() - start
         warm_up(engine)
-        print(f"[{dtype}] {engine.name}: loaded in {load_s:.1f} s, warmed up in {time.perf_counter() - start - load_s:.1f} s", flush=True)
+        print(
+            f"[{dtype}] {engine.name}: loaded in {load_s:.1f} s, warmed up in {time.perf_counter() - start - load_s:.1f} s",
+            flush=True,
+        )
         engines.append(engine)
     samples: dict[str, list[dict[str, float]]] = {engine.name: [] for engine in engines}
     agree = total = 0
     for repeat in range(repeats):
         first_tokens = {}
-        order = engines if repeat % 2 == 0 else engines[::-1]  # neither engine always runs on a warmer machine
+        # neither engine always runs on a warmer machine
+        order = engines if repeat % 2 == 0 else engines[::-1]
         for engine in order:
             sample, first_tokens[engine.name] = measure_once(engine, SEED + repeat)
             samples[engine.name].append(sample)
-            print(f"[{dtype}] repeat {repeat + 1}/{repeats} {engine.name}: " + ", ".join(f"{k}={v:.2f}" for k, v in sample.items()), flush=True)
+            print(
+                f"[{dtype}] repeat {repeat + 1}/{repeats} {engine.name}: "
+                + ", ".join(f"{k}={v:.2f}" for k, v in sample.items()),
+                flush=True,
+            )
         ours, ref = (first_tokens[engine.name] for engine in engines)
         agree += sum(a == b for a, b in zip(ours, ref))
         total += len(ours)
-    medians = {name: {m: statistics.median(s[m] for s in runs) for m in METRICS} for name, runs in samples.items()}
+    medians = {
+        name: {m: statistics.median(s[m] for s in runs) for m in METRICS}
+        for name, runs in samples.items()
+    }
     return {"samples": samples, "median": medians, "first_token_agreement": [agree, total]}
 
 
@@ -274,7 +321,10 @@ def markdown_table(results: dict[str, dict]) -> str:
     for dtype, result in results.items():
         ours, reference = (result["median"][cls.name] for cls in (OurEngine, HFReference))
         for name, values in ((OurEngine.name, ours), (HFReference.name, reference)):
-            cells = [f"{values[m]:.0f}" if m.endswith("tok_s") else f"{values[m]:.1f} ms" for m in METRICS]
+            cells = [
+                f"{values[m]:.0f}" if m.endswith("tok_s") else f"{values[m]:.1f} ms"
+                for m in METRICS
+            ]
             lines.append(f"| {name} {short.get(dtype, dtype)} | " + " | ".join(cells) + " |")
         cells = [f"**{speedup(m, ours[m], reference[m]):.2f}×**" for m in METRICS]
         lines.append(f"| ours vs HF, {short.get(dtype, dtype)} | " + " | ".join(cells) + " |")
@@ -292,18 +342,30 @@ def cpu_model() -> str:
 
 
 def the_command() -> str:
-    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd() + os.sep) else sys.executable
+    python = (
+        os.path.relpath(sys.executable)
+        if sys.executable.startswith(os.getcwd() + os.sep)
+        else sys.executable
+    )
     return shlex.join([python, "-m", "benchmarks.engine_bench", *sys.argv[1:]])
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16, float32, float16")
-    parser.add_argument("--repeats", type=int, default=3, help="samples per metric; the median is reported")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.engine_bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16, float32, float16"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="samples per metric; the median is reported"
+    )
     parser.add_argument("--json", type=Path, help="also write the medians and every sample here")
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, bfloat16 only")
     args = parser.parse_args(argv)
-    dtypes = ["bfloat16"] if args.quick else [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    dtypes = (
+        ["bfloat16"] if args.quick else [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    )
     repeats = 1 if args.quick else args.repeats
     if repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -312,8 +374,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     import transformers
 
     env = {
-        "command": the_command(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": NUM_THREADS,
+        "command": the_command(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": NUM_THREADS,
         "load_average_at_start": os.getloadavg(),
     }
     start = time.perf_counter()
@@ -323,10 +389,15 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     print()
     print(f"Command: `{env['command']}`  ")
-    print(f"torch {env['torch']}, transformers {env['transformers']}, CPU: {env['cpu']} "
-          f"({env['cpu_count']} logical CPUs), torch threads: {NUM_THREADS}, repeats: {repeats} (median shown)  ")
-    print("load average (1/5/15 min) at start {:.2f}/{:.2f}/{:.2f}, at end {:.2f}/{:.2f}/{:.2f}; wall {} s".format(
-        *env["load_average_at_start"], *env["load_average_at_end"], env["wall_s"]))
+    print(
+        f"torch {env['torch']}, transformers {env['transformers']}, CPU: {env['cpu']} "
+        f"({env['cpu_count']} logical CPUs), torch threads: {NUM_THREADS}, repeats: {repeats} (median shown)  "
+    )
+    print(
+        "load average (1/5/15 min) at start {:.2f}/{:.2f}/{:.2f}, at end {:.2f}/{:.2f}/{:.2f}; wall {} s".format(
+            *env["load_average_at_start"], *env["load_average_at_end"], env["wall_s"]
+        )
+    )
     print()
     print(markdown_table(results))
     print()
@@ -334,9 +405,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     for dtype, result in results.items():
         agree, total = result["first_token_agreement"]
         print(f"{dtype}: the first greedy token agrees on {agree}/{total} TTFT prompts.")
-        shares = {name: [f"{s['others_cpu_share']:.0%}" for s in runs if "others_cpu_share" in s] for name, runs in result["samples"].items()}
-        print(f"{dtype}: share of the machine's CPU other processes used, per repeat: "
-              + "; ".join(f"{name} {', '.join(values)}" for name, values in shares.items()))
+        shares = {
+            name: [f"{s['others_cpu_share']:.0%}" for s in runs if "others_cpu_share" in s]
+            for name, runs in result["samples"].items()
+        }
+        print(
+            f"{dtype}: share of the machine's CPU other processes used, per repeat: "
+            + "; ".join(f"{name} {', '.join(values)}" for name, values in shares.items())
+        )
     if args.json:
         args.json.write_text(json.dumps({"environment": env, "results": results}, indent=2))
         print(f"wrote {args.json}")

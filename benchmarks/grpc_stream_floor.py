@@ -35,7 +35,9 @@ async def _serve(tick_s: float, ready: Future, done: threading.Event) -> None:
             ticks.append(queue)
             for index in range(request.sampling.max_tokens):
                 await queue.get()
-                yield pb.GenerateResponse(request_id=request.request_id, token_ids=[index], text=" token")
+                yield pb.GenerateResponse(
+                    request_id=request.request_id, token_ids=[index], text=" token"
+                )
 
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(Servicer(), server)
@@ -56,7 +58,9 @@ def _clients(port: int, streams: int, messages: int) -> int:
 
     def one(index: int) -> int:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            request = pb.GenerateRequest(request_id=f"r{index}", text="x", sampling=pb.SamplingParams(max_tokens=messages))
+            request = pb.GenerateRequest(
+                request_id=f"r{index}", text="x", sampling=pb.SamplingParams(max_tokens=messages)
+            )
             return sum(1 for _ in pb_grpc.GenerationStub(channel).Generate(request))
 
     with ThreadPoolExecutor(streams) as pool:
@@ -68,7 +72,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--messages", type=int, default=128)
     parser.add_argument("--tick-ms", type=float, default=130.0)
-    parser.add_argument("--asyncio-loop", action="store_true", help="asyncio's own loop, not uvloop's")
+    parser.add_argument(
+        "--asyncio-loop", action="store_true", help="asyncio's own loop, not uvloop's"
+    )
     args = parser.parse_args()
 
     from pdserve.system import new_event_loop
@@ -85,10 +91,19 @@ def main() -> None:
         cpu_s, wall_s = _cpu_s() - cpu_before, time.monotonic() - wall_before
     done.set()
     serving.result(timeout=30)
-    print(json.dumps({"loop": "asyncio" if args.asyncio_loop else type(loop).__module__.split(".")[0],
-                      "streams": args.streams, "messages": received, "wall_s": round(wall_s, 2),
-                      "server_cpu_ms_per_message": round(1e3 * cpu_s / received, 4),
-                      "messages_per_cpu_s": round(received / cpu_s)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "loop": "asyncio" if args.asyncio_loop else type(loop).__module__.split(".")[0],
+                "streams": args.streams,
+                "messages": received,
+                "wall_s": round(wall_s, 2),
+                "server_cpu_ms_per_message": round(1e3 * cpu_s / received, 4),
+                "messages_per_cpu_s": round(received / cpu_s),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

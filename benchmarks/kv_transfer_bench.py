@@ -32,7 +32,8 @@ import sys
 import time
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read at import: keeps Ray on 127.0.0.1
-os.environ.setdefault("RAY_preallocate_plasma_memory", "1")  # never-touched store pages are 3-10x slower
+# never-touched store pages are 3-10x slower
+os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -63,7 +64,9 @@ class BenchEnd(KVEndWorker):
             times.append(time.perf_counter() - started)
         return statistics.median(times[1:])
 
-    def send_all(self, request_id, block_ids, destination, ms_per_layer: float = 0.0, layerwise: bool = False):
+    def send_all(
+        self, request_id, block_ids, destination, ms_per_layer: float = 0.0, layerwise: bool = False
+    ):
         """Start a handoff and ship every layer (after simulated compute); yields ray deliveries as they
         are produced (a streaming generator, so the driver can route each one at once)."""
         self.side.start(request_id, block_ids, destination, lease_s=60.0)
@@ -77,7 +80,8 @@ class BenchEnd(KVEndWorker):
                 yield delivery
 
     def settle_sender(self, request_id: str, timeout_s: float = 60.0):
-        if type(self.side).__name__ in ("RayKVSender", "RdtKVSender"):  # routed: the caller relays the ack
+        # routed: the caller relays the ack
+        if type(self.side).__name__ in ("RayKVSender", "RdtKVSender"):
             self.side.acknowledge(request_id)
             return "acknowledged", None
         return self.wait_settled(request_id, timeout_s)
@@ -90,13 +94,16 @@ def _busy(seconds: float) -> None:
         a = a @ a * 1e-3
 
 
-def one_handoff(prefill, decode, transport, block_ids, address, request_id, ms_per_layer=0.0, layerwise=False):
+def one_handoff(
+    prefill, decode, transport, block_ids, address, request_id, ms_per_layer=0.0, layerwise=False
+):
     num_blocks = len(block_ids)
     ray.get(decode.reserve.remote(request_id, num_blocks, 60.0))
     started = time.perf_counter()
     pending = []
     for delivery_ref in prefill.send_all.options(num_returns="streaming").remote(
-            request_id, block_ids, address, ms_per_layer, layerwise):
+        request_id, block_ids, address, ms_per_layer, layerwise
+    ):
         pending.append(decode.deliver.remote(ray.get(delivery_ref)))
     status, reserved = ray.get(decode.wait_settled.remote(request_id, 60.0))
     elapsed = time.perf_counter() - started
@@ -112,7 +119,9 @@ def bench_shape(name, layout, num_tokens, transports, repeats, ms_per_layer):
     rows = []
     for transport in transports:
         options = {"receive_buffer_bytes": num_bytes} if transport == "grpc" else {}
-        worker = ray.remote(num_cpus=1, **(actor_class_options() if transport == "rdt" else {}))(BenchEnd)
+        worker = ray.remote(num_cpus=1, **(actor_class_options() if transport == "rdt" else {}))(
+            BenchEnd
+        )
         prefill = worker.remote(layout, num_blocks, transport, "sender")
         decode = worker.remote(layout, num_blocks, transport, "receiver", **options)
         try:
@@ -124,24 +133,48 @@ def bench_shape(name, layout, num_tokens, transports, repeats, ms_per_layer):
             times, pipelined = [], []
             for index in range(repeats + 1):
                 block_ids = ray.get(prefill.allocate.remote(num_blocks))
-                times.append(one_handoff(prefill, decode, transport, block_ids, address, f"r{index}"))
+                times.append(
+                    one_handoff(prefill, decode, transport, block_ids, address, f"r{index}")
+                )
                 block_ids = ray.get(prefill.allocate.remote(num_blocks))
-                pipelined.append(one_handoff(prefill, decode, transport, block_ids, address, f"p{index}",
-                                             layerwise=True))
+                pipelined.append(
+                    one_handoff(
+                        prefill, decode, transport, block_ids, address, f"p{index}", layerwise=True
+                    )
+                )
             handoff_s = statistics.median(times[1:])
             pipelined_s = statistics.median(pipelined[1:])
-            row = dict(shape=name, tokens=num_tokens, transport=transport, kv_bytes=num_bytes,
-                       handoff_ms=handoff_s * 1e3, gbps=num_bytes / handoff_s / 1e9,
-                       memcpy_ms=memcpy_s * 1e3, memcpy_gbps=num_bytes / memcpy_s / 1e9, samples_s=times[1:],
-                       pipelined_ms=pipelined_s * 1e3, pipelined_gbps=num_bytes / pipelined_s / 1e9,
-                       pipelined_samples_s=pipelined[1:])
+            row = dict(
+                shape=name,
+                tokens=num_tokens,
+                transport=transport,
+                kv_bytes=num_bytes,
+                handoff_ms=handoff_s * 1e3,
+                gbps=num_bytes / handoff_s / 1e9,
+                memcpy_ms=memcpy_s * 1e3,
+                memcpy_gbps=num_bytes / memcpy_s / 1e9,
+                samples_s=times[1:],
+                pipelined_ms=pipelined_s * 1e3,
+                pipelined_gbps=num_bytes / pipelined_s / 1e9,
+                pipelined_samples_s=pipelined[1:],
+            )
             if ms_per_layer:
                 for mode in ("whole", "layerwise"):
                     samples = []
                     for index in range(repeats):
                         block_ids = ray.get(prefill.allocate.remote(num_blocks))
-                        samples.append(one_handoff(prefill, decode, transport, block_ids, address,
-                                                   f"{mode}{index}", ms_per_layer, mode == "layerwise"))
+                        samples.append(
+                            one_handoff(
+                                prefill,
+                                decode,
+                                transport,
+                                block_ids,
+                                address,
+                                f"{mode}{index}",
+                                ms_per_layer,
+                                mode == "layerwise",
+                            )
+                        )
                     row[f"ttft_{mode}_ms"] = statistics.median(samples) * 1e3
             rows.append(row)
             print(_format_row(row), flush=True)
@@ -152,9 +185,11 @@ def bench_shape(name, layout, num_tokens, transports, repeats, ms_per_layer):
 
 
 def _format_row(row) -> str:
-    text = (f"| {row['shape']} | {row['tokens']} | {row['kv_bytes'] / 1e6:.1f} | {row['transport']} | "
-            f"{row['handoff_ms']:.1f} | {row['gbps']:.2f} | {row['pipelined_ms']:.1f} | {row['pipelined_gbps']:.2f} | "
-            f"{row['memcpy_ms']:.1f} | {row['memcpy_gbps']:.1f} | {100 * row['pipelined_gbps'] / row['memcpy_gbps']:.0f}% |")
+    text = (
+        f"| {row['shape']} | {row['tokens']} | {row['kv_bytes'] / 1e6:.1f} | {row['transport']} | "
+        f"{row['handoff_ms']:.1f} | {row['gbps']:.2f} | {row['pipelined_ms']:.1f} | {row['pipelined_gbps']:.2f} | "
+        f"{row['memcpy_ms']:.1f} | {row['memcpy_gbps']:.1f} | {100 * row['pipelined_gbps'] / row['memcpy_gbps']:.0f}% |"
+    )
     if "ttft_whole_ms" in row:
         text += f" {row['ttft_whole_ms']:.0f} / {row['ttft_layerwise_ms']:.0f} |"
     return text
@@ -170,14 +205,27 @@ def main() -> None:
     parser.add_argument("--object-store-gb", type=float, default=3.0)
     parser.add_argument("--json")
     args = parser.parse_args()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=int(args.object_store_gb * (1 << 30)), log_to_driver=False,
-             configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
-    print(f"command: {shlex.join([sys.executable.split('/')[-1], '-m', 'benchmarks.kv_transfer_bench', *sys.argv[1:]])}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
-          f"(CPU capability {torch.backends.cpu.get_cpu_capability()}), ray {ray.__version__}")
-    header = ("| shape | prompt tokens | KV MB | transport | whole: ms / handoff | GB/s | "
-              f"in groups of {LAYER_GROUP} layers: ms | GB/s | memcpy ms | memcpy GB/s | best of memcpy |")
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=int(args.object_store_gb * (1 << 30)),
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+    )
+    print(
+        f"command: {shlex.join([sys.executable.split('/')[-1], '-m', 'benchmarks.kv_transfer_bench', *sys.argv[1:]])}"
+    )
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"(CPU capability {torch.backends.cpu.get_cpu_capability()}), ray {ray.__version__}"
+    )
+    header = (
+        "| shape | prompt tokens | KV MB | transport | whole: ms / handoff | GB/s | "
+        f"in groups of {LAYER_GROUP} layers: ms | GB/s | memcpy ms | memcpy GB/s | best of memcpy |"
+    )
     if args.layerwise_ms_per_layer:
         header += " KV ready after prefill start, whole / layerwise ms |"
     print(header)
@@ -186,8 +234,14 @@ def main() -> None:
     try:
         for name in args.shapes.split(","):
             for tokens in map(int, args.prompts.split(",")):
-                rows += bench_shape(name, SHAPES[name], tokens, args.transports.split(","), args.repeats,
-                                    args.layerwise_ms_per_layer)
+                rows += bench_shape(
+                    name,
+                    SHAPES[name],
+                    tokens,
+                    args.transports.split(","),
+                    args.repeats,
+                    args.layerwise_ms_per_layer,
+                )
     finally:
         ray.shutdown()
     if args.json:

@@ -87,7 +87,9 @@ class RdtEnd:
         for _ in range(repeats + 1):
             started = time.perf_counter()
             ref = sender.staged.options(tensor_transport="gloo").remote()
-            ray.get(me.__ray_call__.options(concurrency_group=CONCURRENCY_GROUP).remote(_touch, ref))
+            ray.get(
+                me.__ray_call__.options(concurrency_group=CONCURRENCY_GROUP).remote(_touch, ref)
+            )
             times.append(time.perf_counter() - started)
             del ref
         return statistics.median(times[1:])
@@ -139,9 +141,16 @@ def _serve(ports: "multiprocessing.Queue") -> None:
     def push(frames, context):
         return sum(len(frame) for frame in frames).to_bytes(8, "little")
 
-    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", 64 << 20)])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        _SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(push)}),))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                _SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(push)}
+            ),
+        )
+    )
     ports.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     server.wait_for_termination()
@@ -154,8 +163,10 @@ def grpc_floor(num_bytes: int, chunk_bytes: int, repeats: int) -> float:
     server = multiprocessing.get_context("spawn").Process(target=_serve, args=(ports,), daemon=True)
     server.start()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{ports.get(timeout=30)}",
-                                   options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        with grpc.insecure_channel(
+            f"127.0.0.1:{ports.get(timeout=30)}",
+            options=[("grpc.max_send_message_length", 64 << 20)],
+        ) as channel:
             push = channel.stream_unary(f"/{_SERVICE}/Push")
             chunks = [os.urandom(chunk_bytes)] * (num_bytes // chunk_bytes)
             push(iter(chunks))  # warm-up
@@ -172,12 +183,21 @@ def grpc_floor(num_bytes: int, chunk_bytes: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", default="24,189", help="payload sizes (MiB): a 1k and an 8k SmolLM2 prompt's KV")
+    parser.add_argument(
+        "--mib", default="24,189", help="payload sizes (MiB): a 1k and an 8k SmolLM2 prompt's KV"
+    )
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=2 << 30, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=2 << 30,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+    )
     rows = []
     try:
         sender = ray.remote(num_cpus=1)(Sender).remote()
@@ -186,10 +206,16 @@ def main() -> None:
             num_bytes = mib << 20
             local = ray.get(sender.run.remote(num_bytes, args.repeats))
             get_s = ray.get(receiver.get.remote(ray.get(sender.ref.remote()), args.repeats))
-            row = {"MiB": mib, "memcpy_ms": 1e3 * local["memcpy_s"], "ray_put_ms": 1e3 * local["put_s"],
-                   "ray_get_ms": 1e3 * get_s}
+            row = {
+                "MiB": mib,
+                "memcpy_ms": 1e3 * local["memcpy_s"],
+                "ray_put_ms": 1e3 * local["put_s"],
+                "ray_get_ms": 1e3 * get_s,
+            }
             for chunk_mib in (1, 2):
-                row[f"grpc_{chunk_mib}MiB_chunks_ms"] = 1e3 * grpc_floor(num_bytes, chunk_mib << 20, max(3, args.repeats // 3))
+                row[f"grpc_{chunk_mib}MiB_chunks_ms"] = 1e3 * grpc_floor(
+                    num_bytes, chunk_mib << 20, max(3, args.repeats // 3)
+                )
             pull_s, gloo_s = rdt_floor(num_bytes, args.repeats)
             row["rdt_pull_ms"], row["gloo_send_recv_ms"] = 1e3 * pull_s, 1e3 * gloo_s
             for name in [key for key in row if key.endswith("_ms")]:

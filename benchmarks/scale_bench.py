@@ -11,7 +11,8 @@ import json
 import os
 import time
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before anything imports ray: keep it on loopback
+# before anything imports ray: keep it on loopback
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 from tests.serving_harness import Harness
 from tests.test_scaling import SteadyLoad
@@ -19,7 +20,9 @@ from tests.test_scaling import SteadyLoad
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=3, help="client threads sending back-to-back requests")
+    parser.add_argument(
+        "--threads", type=int, default=3, help="client threads sending back-to-back requests"
+    )
     args = parser.parse_args()
     harness = Harness()
     system = harness.start(transport="ray")
@@ -44,13 +47,18 @@ def main() -> None:
         load.stop()
         system.stop()
         harness.close()
-    print(json.dumps({
-        "scale_up_call_returned_s": round(returned_s, 2),
-        "scale_up_to_first_request_served_s": round(first_served_s, 2),
-        "requests_during_scale_down": len(load.completions) - completions_before_down,
-        "failed_requests": len(load.errors),
-        "requests_total": len(load.completions),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "scale_up_call_returned_s": round(returned_s, 2),
+                "scale_up_to_first_request_served_s": round(first_served_s, 2),
+                "requests_during_scale_down": len(load.completions) - completions_before_down,
+                "failed_requests": len(load.errors),
+                "requests_total": len(load.completions),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ def _decode_step_s(engine: LLMEngine, prompts: list[list[int]]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--history", type=int, default=600)
     parser.add_argument("--new", type=int, default=140)
     parser.add_argument("--batch", type=int, default=8)
@@ -62,20 +64,37 @@ def main() -> None:
     loaded = load_model("default", torch.float32)
     generator = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
-    report = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "args": vars(args), "threads": {}}
+    report = {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "args": vars(args),
+        "threads": {},
+    }
     for threads in (1, 2):
         torch.set_num_threads(threads)
         prefill, decode = [], []
         for repeat in range(args.repeats):
-            ids = torch.randint(100, vocab, (args.batch + 1, args.history + args.new), generator=generator).tolist()
-            engine = LLMEngine(EngineConfig(dtype="float32", num_threads=threads, kv_cache_bytes=1 << 30), loaded=loaded)
-            prefill.append(_prefill_new_tokens_s(engine, ids[0][:args.history], ids[0][args.history:], str(repeat)))
-            decode.append(_decode_step_s(engine, [row[:args.history] for row in ids[1:]]))
-        report["threads"][threads] = {"prefill_new_tokens_ms": round(statistics.median(prefill) * 1e3, 1),
-                                      "decode_step_ms": round(statistics.median(decode) * 1e3, 1)}
-        print(f"{threads} thread(s): prefill of {args.new} new tokens on a {args.history}-token cached history "
-              f"{report['threads'][threads]['prefill_new_tokens_ms']} ms; decode step of {args.batch} such "
-              f"sequences {report['threads'][threads]['decode_step_ms']} ms")
+            ids = torch.randint(
+                100, vocab, (args.batch + 1, args.history + args.new), generator=generator
+            ).tolist()
+            engine = LLMEngine(
+                EngineConfig(dtype="float32", num_threads=threads, kv_cache_bytes=1 << 30),
+                loaded=loaded,
+            )
+            prefill.append(
+                _prefill_new_tokens_s(
+                    engine, ids[0][: args.history], ids[0][args.history :], str(repeat)
+                )
+            )
+            decode.append(_decode_step_s(engine, [row[: args.history] for row in ids[1:]]))
+        report["threads"][threads] = {
+            "prefill_new_tokens_ms": round(statistics.median(prefill) * 1e3, 1),
+            "decode_step_ms": round(statistics.median(decode) * 1e3, 1),
+        }
+        print(
+            f"{threads} thread(s): prefill of {args.new} new tokens on a {args.history}-token cached history "
+            f"{report['threads'][threads]['prefill_new_tokens_ms']} ms; decode step of {args.batch} such "
+            f"sequences {report['threads'][threads]['decode_step_ms']} ms"
+        )
     print(json.dumps(report))
 
 

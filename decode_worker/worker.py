@@ -55,21 +55,32 @@ class _Handoff:
 
     timeout_s: float
     admission: Optional[_Admission] = None
-    block_ids: Optional[list[int]] = None  # set once the KV is ready and verified (the blocks are ours then)
-    kv_ready_wall_s: Optional[float] = None  # time.time() it became ready: reported on the first chunk
+    # set once the KV is ready and verified (the blocks are ours then)
+    block_ids: Optional[list[int]] = None
+    # time.time() it became ready: reported on the first chunk
+    kv_ready_wall_s: Optional[float] = None
     unclaimed_deadline_s: float = 0.0
     decoding: bool = False
 
 
 class DecodeWorker(ParkingEndpoints):
-    def __init__(self, worker_id: str, config: EngineConfig, transport: str, kv_host: Optional[str] = "127.0.0.1",
-                 role: str = "decode", cores: CorePolicy = CorePolicy()):
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        transport: str,
+        kv_host: Optional[str] = "127.0.0.1",
+        role: str = "decode",
+        cores: CorePolicy = CorePolicy(),
+    ):
         self.worker_id = worker_id
         self.role = role
         self.engine = start_engine(config)
         kv_host = kv_host or node_ip_address()  # None: this node's address (on a cluster)
         receiver_options = {"host": kv_host, "port": 0} if transport == "grpc" else {}
-        self.receiver = create_receiver(transport, self.engine.kv_cache, self.engine.allocator, **receiver_options)
+        self.receiver = create_receiver(
+            transport, self.engine.kv_cache, self.engine.allocator, **receiver_options
+        )
         self._handoffs: dict[str, _Handoff] = {}  # engine thread only
         self._next_unclaimed_check_s = 0.0
         # request id -> expiry (monotonic s): aborts that found nothing, in case their request's own
@@ -77,15 +88,20 @@ class DecodeWorker(ParkingEndpoints):
         self._aborted_unknown: dict[str, float] = {}
         self._served = 0
         self._kv_host = kv_host  # the token stream binds where the KV receiver does
-        self._output_server = None  # grpc.aio.Server, started on the actor's event loop by output_address
+        # grpc.aio.Server, started on the actor's event loop by output_address
+        self._output_server = None
         self._output_port = 0
         self._output_secret = secrets.token_hex(16)
         self._output_channel: Optional[asyncio.Queue] = None  # the current subscription's
         self.parking = Parking()
         self.receiver.before_payload = lambda request_id: self.parking.hold("transfer", request_id)
-        self.loop = EngineLoop(self.engine, hooks=(self._poll_receiver,), on_output=self._on_output,
-                               expecting_events=lambda: self.receiver.num_reserved_requests > 0,
-                               cores=share_cores(self.engine, cores))
+        self.loop = EngineLoop(
+            self.engine,
+            hooks=(self._poll_receiver,),
+            on_output=self._on_output,
+            expecting_events=lambda: self.receiver.num_reserved_requests > 0,
+            cores=share_cores(self.engine, cores),
+        )
 
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, self.role, self._kv_address())
@@ -97,17 +113,22 @@ class DecodeWorker(ParkingEndpoints):
 
     # -- disaggregated path --------------------------------------------------------------------
 
-    async def reserve(self, request_id: str, prompt: Union[Sequence[int], int], timeout_s: float) -> Optional[int]:
+    async def reserve(
+        self, request_id: str, prompt: Union[Sequence[int], int], timeout_s: float
+    ) -> Optional[int]:
         """Sets blocks aside for a prompt's KV. `prompt`: its token ids, and the blocks of its prefix that
         this worker holds (an earlier turn, a shared system prompt) are reused rather than sent; or only
         its length. Returns how many leading blocks are reused (the prefill worker sends the others), or
         None (a reply, not an exception) when the blocks are not free."""
+
         def reserve() -> Optional[int]:
             if self._aborted_unknown.pop(request_id, None) is not None:
                 return None  # its abort overtook it (a Ray async actor may run calls out of order)
             try:
                 if isinstance(prompt, int):
-                    self.receiver.reserve(request_id, self.engine.allocator.blocks_needed(prompt), timeout_s)
+                    self.receiver.reserve(
+                        request_id, self.engine.allocator.blocks_needed(prompt), timeout_s
+                    )
                     reused = 0
                 else:
                     reused = self.receiver.reserve_prompt(request_id, prompt, timeout_s)[1]
@@ -116,31 +137,45 @@ class DecodeWorker(ParkingEndpoints):
             self._handoffs[request_id] = _Handoff(timeout_s)
             return reused
 
-        return await self.loop.call(reserve, mid_step=True)  # only free blocks are set aside: safe mid-step
+        # only free blocks are set aside: safe mid-step
+        return await self.loop.call(reserve, mid_step=True)
 
     async def renew(self, request_id: str, timeout_s: float) -> bool:
         """Restarts a reservation's clock (its prompt still waits for prefill); False when it is gone."""
-        return await self.loop.call(lambda: self.receiver.renew(request_id, timeout_s), mid_step=True)
+        return await self.loop.call(
+            lambda: self.receiver.renew(request_id, timeout_s), mid_step=True
+        )
 
     async def deliver(self, deliveries: Sequence) -> None:
-        for delivery in deliveries:  # a failure is reported to the request's stream by the next poll
+        # a failure is reported to the request's stream by the next poll
+        for delivery in deliveries:
             try:
                 await asyncio.to_thread(self.receiver.deliver, delivery)
             except KVTransferError as error:
                 log.warning("KV delivery failed: %s", error)
                 return
 
-    async def admit(self, request_id: str, prompt_ids: Sequence[int], first_token_id: int, params: SamplingParams,
-                    deliveries: Sequence = ()) -> None:
+    async def admit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        first_token_id: int,
+        params: SamplingParams,
+        deliveries: Sequence = (),
+    ) -> None:
         """The request joins the running batch as soon as its KV is ready (now, if it already is).
         `deliveries` are a routed transport's KV messages (ray): installed here, in the same call (each
         Ray call costs the router about 1 ms of CPU)."""
-        await self.loop.call(lambda: self._admit(request_id, _Admission(list(prompt_ids), first_token_id, params)))
+        await self.loop.call(
+            lambda: self._admit(request_id, _Admission(list(prompt_ids), first_token_id, params))
+        )
         await self.deliver(deliveries)
 
     # -- colocated path ------------------------------------------------------------------------
 
-    async def admit_colocated(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    async def admit_colocated(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> None:
         await self.parking.hold_async("queued", request_id)
         await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params))
 
@@ -152,10 +187,18 @@ class DecodeWorker(ParkingEndpoints):
         if self._output_server is None:
             server = grpc.aio.server()
             handler = grpc.unary_stream_rpc_method_handler(self._serve_outputs)  # bytes in and out
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(OUTPUT_STREAM_SERVICE, {"Subscribe": handler}),))
+            server.add_generic_rpc_handlers(
+                (
+                    grpc.method_handlers_generic_handler(
+                        OUTPUT_STREAM_SERVICE, {"Subscribe": handler}
+                    ),
+                )
+            )
             self._output_port = server.add_insecure_port(host_port(self._kv_host, 0))
             if self._output_port == 0:
-                raise OSError(f"decode worker {self.worker_id} could not bind its token stream on {self._kv_host}")
+                raise OSError(
+                    f"decode worker {self.worker_id} could not bind its token stream on {self._kv_host}"
+                )
             await server.start()
             self._output_server = server
         return _reachable(host_port(self._kv_host, self._output_port)), self._output_secret
@@ -168,7 +211,9 @@ class DecodeWorker(ParkingEndpoints):
         whose router then fails its requests over rather than wait on a stream nobody feeds."""
         offered = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not secrets.compare_digest(offered.encode(), self._output_secret.encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this token stream is the router's")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "this token stream is the router's"
+            )
         if self._output_channel is not None:
             self._output_channel.put_nowait(None)
         channel = self._output_channel = self.loop.open_channel()
@@ -184,10 +229,17 @@ class DecodeWorker(ParkingEndpoints):
                     batch = []
                 if batch is None:
                     return
-                yield encode_chunks([item if isinstance(item, TokenChunk) else
-                                     TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
-                                     for request_id, item in batch], allocator.drain_events())
-        finally:  # the router went away, cancelled the call, or a new subscription replaced this one
+                yield encode_chunks(
+                    [
+                        item
+                        if isinstance(item, TokenChunk)
+                        else TokenChunk(request_id, (), error=f"{type(item).__name__}: {item}")
+                        for request_id, item in batch
+                    ],
+                    allocator.drain_events(),
+                )
+        finally:
+            # the router went away, cancelled the call, or a new subscription replaced this one
             self.loop.close_channel(channel)
             if self._output_channel is channel:
                 self._output_channel = None
@@ -196,7 +248,9 @@ class DecodeWorker(ParkingEndpoints):
         return await self.loop.call(lambda: self._abort(request_id))
 
     async def load(self) -> WorkerLoad:
-        return await load_report(self.worker_id, self.loop, lambda: self._served, self._num_waiting_for_kv)
+        return await load_report(
+            self.worker_id, self.loop, lambda: self._served, self._num_waiting_for_kv
+        )
 
     # -- loop thread ---------------------------------------------------------------------------
 
@@ -217,14 +271,21 @@ class DecodeWorker(ParkingEndpoints):
             self._start_if_complete(request_id, handoff)
         for request_id, error in events.failed:
             self._handoffs.pop(request_id, None)
-            self.loop.publish(request_id, TokenChunk(request_id, (), error=f"KV transfer failed: {error}"))
-        if now < self._next_unclaimed_check_s:  # the poll runs every loop turn; deadlines are seconds away
+            self.loop.publish(
+                request_id, TokenChunk(request_id, (), error=f"KV transfer failed: {error}")
+            )
+        # the poll runs every loop turn; deadlines are seconds away
+        if now < self._next_unclaimed_check_s:
             return
         self._next_unclaimed_check_s = now + _UNCLAIMED_CHECK_S
         for request_id in [r for r, expiry_s in self._aborted_unknown.items() if expiry_s <= now]:
             del self._aborted_unknown[request_id]
         for request_id, handoff in list(self._handoffs.items()):
-            if handoff.block_ids is not None and not handoff.decoding and handoff.unclaimed_deadline_s <= now:
+            if (
+                handoff.block_ids is not None
+                and not handoff.decoding
+                and handoff.unclaimed_deadline_s <= now
+            ):
                 log.warning("KV of request %s was never claimed; freeing it", request_id)
                 self.engine.allocator.free(self._handoffs.pop(request_id).block_ids)
 
@@ -232,11 +293,20 @@ class DecodeWorker(ParkingEndpoints):
         admission = handoff.admission
         if admission is not None and handoff.block_ids is not None and not handoff.decoding:
             handoff.decoding = True  # the blocks are the engine's now
-            self.engine.start_decode(request_id, admission.prompt_ids, admission.first_token_id, admission.params,
-                                     handoff.block_ids)
+            self.engine.start_decode(
+                request_id,
+                admission.prompt_ids,
+                admission.first_token_id,
+                admission.params,
+                handoff.block_ids,
+            )
 
     def _num_waiting_for_kv(self) -> int:
-        return sum(1 for handoff in self._handoffs.values() if handoff.admission is not None and not handoff.decoding)
+        return sum(
+            1
+            for handoff in self._handoffs.values()
+            if handoff.admission is not None and not handoff.decoding
+        )
 
     def _abort(self, request_id: str) -> bool:
         found = self.engine.abort(request_id) | self.receiver.abort(request_id)
@@ -251,16 +321,21 @@ class DecodeWorker(ParkingEndpoints):
         return found
 
     def _on_output(self, output: RequestOutput) -> TokenChunk:
-        if output.num_output_tokens == 1:  # colocated: its prompt is computed, its first token not yet out
+        # colocated: its prompt is computed, its first token not yet out
+        if output.num_output_tokens == 1:
             self.parking.hold("prefill", output.request_id)
         if output.finished:
             self._served += 1
         return TokenChunk(
-            output.request_id, tuple(output.new_token_ids), output.finish_reason,
+            output.request_id,
+            tuple(output.new_token_ids),
+            output.finish_reason,
             kv_ready_wall_s=self._first_chunk_kv_ready_wall_s(output.request_id),
             num_cached_prompt_tokens=output.num_cached_prompt_tokens,
             logprobs=tuple(output.logprobs) if output.logprobs is not None else None,
-            prompt_logprobs=tuple(output.prompt_logprobs) if output.prompt_logprobs is not None else None,
+            prompt_logprobs=tuple(output.prompt_logprobs)
+            if output.prompt_logprobs is not None
+            else None,
         )
 
     def _first_chunk_kv_ready_wall_s(self, request_id: str) -> Optional[float]:
@@ -274,7 +349,8 @@ class DecodeWorker(ParkingEndpoints):
 
 _HEARTBEAT_S = 1.0
 _UNCLAIMED_CHECK_S = 0.5  # how often ready KV that nobody admitted is looked for
-_ABORTED_UNKNOWN_KEEP_S = 30.0  # how long an abort that found nothing refuses a late reserve of its id
+# how long an abort that found nothing refuses a late reserve of its id
+_ABORTED_UNKNOWN_KEEP_S = 30.0
 
 
 def _reachable(address: str) -> str:

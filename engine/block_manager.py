@@ -26,13 +26,16 @@ class OutOfBlocksError(RuntimeError):
 
 # A hash event: (True, hash) the allocator now holds a block with this hash; (False, hash) it no longer does.
 KVEvent = tuple[bool, bytes]
-_MAX_PENDING_EVENTS = 1 << 16  # beyond this, the oldest are dropped: the router's index may then guess wrong
+# beyond this, the oldest are dropped: the router's index may then guess wrong
+_MAX_PENDING_EVENTS = 1 << 16
 
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size_tokens: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size_tokens < 1:
-            raise ValueError(f"need at least one block of one token, got {num_blocks} x {block_size_tokens}")
+            raise ValueError(
+                f"need at least one block of one token, got {num_blocks} x {block_size_tokens}"
+            )
         self.num_blocks = num_blocks
         self.block_size_tokens = block_size_tokens
         self.enable_prefix_caching = enable_prefix_caching
@@ -75,7 +78,9 @@ class BlockAllocator:
     def allocate(self, num_blocks: int) -> list[int]:
         """Fresh blocks (reference count 1) for KV that has yet to be written."""
         if num_blocks > len(self._free):
-            raise OutOfBlocksError(f"need {num_blocks} KV blocks, {len(self._free)} free of {self.num_blocks}")
+            raise OutOfBlocksError(
+                f"need {num_blocks} KV blocks, {len(self._free)} free of {self.num_blocks}"
+            )
         blocks = []
         for _ in range(num_blocks):
             block_id = next(iter(self._free))
@@ -110,7 +115,9 @@ class BlockAllocator:
             self._free.pop(block_id, None)
         return cached + self.allocate(fresh_needed), len(cached) * size
 
-    def register_computed(self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def register_computed(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
         """Make a sequence's full, computed blocks findable by later prompts with the same prefix."""
         if not self.enable_prefix_caching:
             return

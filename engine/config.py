@@ -65,31 +65,76 @@ class ModelConfig:
 # big models on machines that cannot hold or download their weights.
 NAMED_SHAPES: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
-        name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_context_tokens=8192,
-        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+        name="smollm2-135m",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        max_context_tokens=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
     ),
     "llama-3.2-1b": ModelConfig(
-        name="llama-3.2-1b", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, max_context_tokens=131072,
-        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+        name="llama-3.2-1b",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_context_tokens=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
         rope_scaling=Llama3RopeScaling(32.0, 1.0, 4.0, 8192),
     ),
     "llama-3-8b": ModelConfig(
-        name="llama-3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_context_tokens=8192,
-        rms_norm_eps=1e-5, rope_theta=500000.0,
+        name="llama-3-8b",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_context_tokens=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
     ),
     "qwen2-0.5b": ModelConfig(
-        name="qwen2-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_context_tokens=32768,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=True,
+        name="qwen2-0.5b",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        max_context_tokens=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        attention_bias=True,
     ),
     # A few layers of SmolLM2's shape: fast unit tests of the engine's plumbing.
     "tiny": ModelConfig(
-        name="tiny", vocab_size=512, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_context_tokens=1024,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+        name="tiny",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_context_tokens=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
     ),
 }
 
@@ -99,7 +144,9 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
     architectures = hf.get("architectures") or []
     supported = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
     if architectures and not set(architectures) & supported:
-        raise ValueError(f"unsupported architecture {architectures}; supported: {sorted(supported)}")
+        raise ValueError(
+            f"unsupported architecture {architectures}; supported: {sorted(supported)}"
+        )
     num_heads = hf["num_attention_heads"]
     # transformers 5 writes `rope_parameters` (theta inside it); older configs `rope_scaling` + `rope_theta`.
     scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or None
@@ -109,8 +156,10 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "llama3":
             rope_scaling = Llama3RopeScaling(
-                float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]),
+                float(scaling["factor"]),
+                float(scaling["low_freq_factor"]),
+                float(scaling["high_freq_factor"]),
+                int(scaling["original_max_position_embeddings"]),
             )
         elif kind not in (None, "default"):
             raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3")
@@ -136,16 +185,21 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
-    dtype: str = "float32"  # or "bfloat16", or "auto": bf16 where the hardware has it natively, else fp32
-    device: str = "cpu"  # "cuda", "cuda:N", or "auto" (cuda where torch sees one), resolved by engine.dtypes.resolve_device
+    # or "bfloat16", or "auto": bf16 where the hardware has it natively, else fp32
+    dtype: str = "float32"
+    # "cuda", "cuda:N", or "auto" (cuda where torch sees one), resolved by
+    # engine.dtypes.resolve_device
+    device: str = "cpu"
     block_size_tokens: int = 16
-    kv_cache_bytes: Optional[int] = 512 * 2**20  # None: sized from the node's free memory (engine.kv_cache)
+    # None: sized from the node's free memory (engine.kv_cache)
+    kv_cache_bytes: Optional[int] = 512 * 2**20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     decode_interleave_tokens: Optional[int] = None  # engine.scheduler.SchedulerConfig
     enable_prefix_caching: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs on CUDA (engine.cuda_graphs); no effect elsewhere
+    # decode steps replayed from CUDA graphs on CUDA (engine.cuda_graphs); no effect elsewhere
+    cuda_graphs: bool = True
     # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes text
     # only for requests with stop strings, which it must see to stop at the right token.
     detokenize: bool = True
@@ -158,4 +212,6 @@ class EngineConfig:
     def scheduler(self):
         from engine.scheduler import SchedulerConfig
 
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.decode_interleave_tokens)
+        return SchedulerConfig(
+            self.max_num_seqs, self.max_num_batched_tokens, self.decode_interleave_tokens
+        )

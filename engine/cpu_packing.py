@@ -43,10 +43,15 @@ def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def transposing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    return dtype == torch.float32 and torch.device(device).type == "cpu" and os.environ.get(DISABLE_ENV) != "1"
+    return (
+        dtype == torch.float32
+        and torch.device(device).type == "cpu"
+        and os.environ.get(DISABLE_ENV) != "1"
+    )
 
 
-DECODE_PACKED_MAX_ROWS = 64  # from 64 rows on MKL on the transposed weight is as fast (measured to 256)
+# from 64 rows on MKL on the transposed weight is as fast (measured to 256)
+DECODE_PACKED_MAX_ROWS = 64
 
 
 def decode_packing_supported() -> bool:
@@ -64,7 +69,11 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features = weight.shape[0]
         # The batch-size hint 1 favours decode; larger batches run as fast as with F.linear.
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), persistent=False)
+        self.register_buffer(
+            "packed_weight",
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
+            persistent=False,
+        )
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +81,16 @@ class PackedLinear(nn.Module):
 
 
 class TransposedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: bool = False):
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: bool = False
+    ):
         """`pack_for_decode`: also hold the oneDNN-packed copy for decode batches (`decode_packing_supported()`)."""
         super().__init__()
-        self._hold(weight.detach().t().contiguous(), bias, _packed_for_decode(weight) if pack_for_decode else None)
+        self._hold(
+            weight.detach().t().contiguous(),
+            bias,
+            _packed_for_decode(weight) if pack_for_decode else None,
+        )
 
     @classmethod
     def over(cls, weight_t: torch.Tensor, bias: Optional[torch.Tensor]) -> "TransposedLinear":
@@ -87,7 +102,9 @@ class TransposedLinear(nn.Module):
         layer._hold(weight_t, bias, None)
         return layer
 
-    def _hold(self, weight_t: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]) -> None:
+    def _hold(
+        self, weight_t: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]
+    ) -> None:
         self.out_features = weight_t.shape[1]
         self.register_buffer("weight_t", weight_t)  # in state_dict(), as `weight` was
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
@@ -95,7 +112,9 @@ class TransposedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None and 1 < x.shape[0] < DECODE_PACKED_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_weight, self.bias, "none", [], ""
+            )
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
@@ -105,8 +124,13 @@ def _packed_for_decode(weight: torch.Tensor) -> Optional[torch.Tensor]:
     # The batch-size hint 32: at 2-48 rows its layout was the fastest here (hint 1 was slower at >1 row).
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
-    except RuntimeError as exc:  # a oneDNN build without this layout: the transposed weight serves alone
-        log.warning("fp32 decode weights stay unpacked: oneDNN could not pack a %s weight: %s", tuple(weight.shape), exc)
+    except RuntimeError as exc:
+        # a oneDNN build without this layout: the transposed weight serves alone
+        log.warning(
+            "fp32 decode weights stay unpacked: oneDNN could not pack a %s weight: %s",
+            tuple(weight.shape),
+            exc,
+        )
         return None
 
 
@@ -116,9 +140,11 @@ def pack_for_decode(layers: list[TransposedLinear]) -> None:
     first, and on a VM that pages memory in slowly that doubled the page faults of a worker's start."""
     if not layers:
         return
-    scratch = torch.empty(max(layer.weight_t.numel() for layer in layers), dtype=layers[0].weight_t.dtype)
+    scratch = torch.empty(
+        max(layer.weight_t.numel() for layer in layers), dtype=layers[0].weight_t.dtype
+    )
     for layer in layers:
-        weight = scratch[:layer.weight_t.numel()].view(layer.out_features, -1)
+        weight = scratch[: layer.weight_t.numel()].view(layer.out_features, -1)
         weight.copy_(layer.weight_t.t())
         layer.packed_weight = _packed_for_decode(weight)
 
@@ -126,9 +152,12 @@ def pack_for_decode(layers: list[TransposedLinear]) -> None:
 def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
     """(parent, attribute, qualified name) of every `nn.Linear` of `model`, and of its LM head where it is
     tied (`lm_head` None: the head reads the embedding table)."""
-    slots = [(parent, name, f"{prefix}.{name}" if prefix else name)
-             for prefix, parent in model.named_modules() for name, child in parent.named_children()
-             if isinstance(child, nn.Linear)]
+    slots = [
+        (parent, name, f"{prefix}.{name}" if prefix else name)
+        for prefix, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
     if getattr(model, "lm_head", "absent") is None:
         slots.append((model, "lm_head", "lm_head"))
     return slots
@@ -140,6 +169,8 @@ def pack_linears(model: nn.Module, layer=PackedLinear) -> int:
     slots = linear_slots(model)
     for parent, name, _ in slots:
         child = getattr(parent, name)
-        weight, bias = (model.embed_tokens.weight, None) if child is None else (child.weight, child.bias)
+        weight, bias = (
+            (model.embed_tokens.weight, None) if child is None else (child.weight, child.bias)
+        )
         setattr(parent, name, layer(weight, bias))
     return len(slots)

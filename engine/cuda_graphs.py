@@ -28,8 +28,14 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int,
-                 sink_block: int):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: PagedKVCache,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        sink_block: int,
+    ):
         device = kv_cache.kv.device
         self.sizes = sorted({size for size in BATCH_SIZES if size < max_batch} | {max_batch})
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -45,8 +51,12 @@ class DecodeGraphs:
         self._capture(model, kv_cache)
 
     def _forward(self, model: LlamaModel, kv_cache: PagedKVCache, size: int) -> torch.Tensor:
-        batch = ForwardBatch(positions=self.positions[:size], slot_mapping=self.slots[:size],
-                             decode_block_tables=self.tables[:size], decode_context_lens=self.context_lens[:size])
+        batch = ForwardBatch(
+            positions=self.positions[:size],
+            slot_mapping=self.slots[:size],
+            decode_block_tables=self.tables[:size],
+            decode_context_lens=self.context_lens[:size],
+        )
         return model(self.input_ids[:size], batch, kv_cache.k_caches, kv_cache.v_caches)
 
     def _capture(self, model: LlamaModel, kv_cache: PagedKVCache) -> None:
@@ -59,7 +69,8 @@ class DecodeGraphs:
                 self._forward(model, kv_cache, size)
         torch.cuda.current_stream().wait_stream(side)
         pool = None
-        for size in reversed(self.sizes):  # largest first: the smaller graphs fit in its memory pool
+        # largest first: the smaller graphs fit in its memory pool
+        for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._logits[size] = self._forward(model, kv_cache, size)
@@ -70,8 +81,13 @@ class DecodeGraphs:
     def fits(self, batch: int, table_width: int) -> bool:
         return batch <= self.sizes[-1] and table_width <= self.max_blocks_per_seq
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            tables: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+    ) -> torch.Tensor:
         """Logits `[batch, vocab]` of one decode step; the arguments are the eager step's CPU tensors."""
         batch, width = tables.shape
         size = next(s for s in self.sizes if s >= batch)
@@ -86,11 +102,16 @@ class DecodeGraphs:
         return self._logits[size][:batch]
 
 
-def decode_graphs_for(model: LlamaModel, kv_cache: PagedKVCache, max_batch: int, max_model_len: int,
-                      sink_block: int) -> Optional[DecodeGraphs]:
+def decode_graphs_for(
+    model: LlamaModel, kv_cache: PagedKVCache, max_batch: int, max_model_len: int, sink_block: int
+) -> Optional[DecodeGraphs]:
     """Graphs for this engine's decode steps, or None where they do not apply (not CUDA, no paged kernel)."""
     kernel = model.layers[0].self_attn.decode_kernel
-    if kv_cache.kv.device.type != "cuda" or kernel is None or not kernel.supports(kv_cache.k_caches[0]):
+    if (
+        kv_cache.kv.device.type != "cuda"
+        or kernel is None
+        or not kernel.supports(kv_cache.k_caches[0])
+    ):
         return None
     block_size = kv_cache.layout.block_size_tokens
     return DecodeGraphs(model, kv_cache, max_batch, -(-max_model_len // block_size), sink_block)

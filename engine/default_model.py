@@ -28,7 +28,9 @@ def resolve_model_path(spec: str) -> Path:
         return default_model_path()
     path = Path(spec).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(f"model path {spec!r} does not exist (give a .gguf file, an HF directory, 'default' or 'dummy:<shape>')")
+        raise ModelNotFoundError(
+            f"model path {spec!r} does not exist (give a .gguf file, an HF directory, 'default' or 'dummy:<shape>')"
+        )
     return path
 
 

@@ -19,7 +19,9 @@ _PROMPT_CONTEXT_TOKENS = 4  # so the first output token decodes with its real le
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+    ):
         self._tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -49,7 +51,9 @@ class IncrementalDetokenizer:
 
     def _decode_unread(self) -> str:
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        prefix_text = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+        )
         full_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
         return full_text[len(prefix_text) :]
 
@@ -64,7 +68,11 @@ class IncrementalDetokenizer:
             self.text = self.text[:at]
 
     def _take(self, final: bool) -> str:
-        end = len(self.text) if final else max(self._emitted_chars, len(self.text) - self._stop_prefix_chars())
+        end = (
+            len(self.text)
+            if final
+            else max(self._emitted_chars, len(self.text) - self._stop_prefix_chars())
+        )
         chunk = self.text[self._emitted_chars : end]
         self._emitted_chars = end
         return chunk

@@ -77,7 +77,9 @@ def directory(source: Path, kind: str, write: Callable[[Path], None]) -> Path:
         return entry
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=entry.name + ".", suffix=".partial", dir=entry.parent))
+        partial = Path(
+            tempfile.mkdtemp(prefix=entry.name + ".", suffix=".partial", dir=entry.parent)
+        )
     except OSError as error:
         log.warning("could not cache the %s of %s: %s", kind, source, error)
         partial = Path(tempfile.mkdtemp(prefix="pdserve-"))
@@ -94,7 +96,8 @@ def directory(source: Path, kind: str, write: Callable[[Path], None]) -> Path:
         if not entry.is_dir():
             log.warning("could not cache the %s of %s: %s", kind, source, error)
             return partial
-        shutil.rmtree(partial, ignore_errors=True)  # a process writing it at the same time got there first
+        # a process writing it at the same time got there first
+        shutil.rmtree(partial, ignore_errors=True)
     prune(keep=entry)
     return entry
 
@@ -112,7 +115,9 @@ def content_digest(source: Path) -> str:
     """The sha256 of `source`'s bytes, read from the index when this path, size and modification time
     were hashed before (0.12 s for the default model's 98 MB, seconds for a large model)."""
     stat = source.stat()
-    identity = hashlib.sha256(f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    identity = hashlib.sha256(
+        f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:32]
     if identity in _digests:
         return _digests[identity]
     index = cache_root() / "index" / identity
@@ -145,7 +150,9 @@ def prune(keep: Path) -> None:
     try:
         bound = float(os.environ.get(MAX_ENV) or DEFAULT_MAX_GIB) * 2**30
     except ValueError:
-        log.warning("%s=%r is not a number of GiB; using %s", MAX_ENV, os.environ[MAX_ENV], DEFAULT_MAX_GIB)
+        log.warning(
+            "%s=%r is not a number of GiB; using %s", MAX_ENV, os.environ[MAX_ENV], DEFAULT_MAX_GIB
+        )
         bound = DEFAULT_MAX_GIB * 2**30
     try:
         entries = []
@@ -166,7 +173,13 @@ def prune(keep: Path) -> None:
             if path != keep:
                 _remove(path)
                 total -= size
-                log.info("pruned %s from the disk cache (%.0f MiB; bound %s=%g GiB)", path.name, size / 2**20, MAX_ENV, bound / 2**30)
+                log.info(
+                    "pruned %s from the disk cache (%.0f MiB; bound %s=%g GiB)",
+                    path.name,
+                    size / 2**20,
+                    MAX_ENV,
+                    bound / 2**30,
+                )
     except OSError as error:
         log.warning("could not prune the disk cache in %s: %s", keep.parent, error)
 
@@ -205,7 +218,9 @@ def gguf_metadata(source: Path, parse: Callable[[], dict[str, Any]]) -> dict[str
     return metadata
 
 
-def gguf_weights(source: Path, dtype: "torch.dtype", produce: Callable[[], Iterable[tuple[str, "torch.Tensor"]]]) -> Iterable[tuple[str, "torch.Tensor"]]:
+def gguf_weights(
+    source: Path, dtype: "torch.dtype", produce: Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
+) -> Iterable[tuple[str, "torch.Tensor"]]:
     """The (name, tensor) pairs `produce()` gives for serving in `dtype`, from the cache if there."""
     kind = f"weights-{str(dtype).removeprefix('torch.')}"
     cached = tensors(source, kind)
@@ -248,13 +263,20 @@ def save_tensors(source: Path, kind: str, named: dict[str, "torch.Tensor"]) -> N
         pad = _aligning_pad(named)
         save_file(named, path, metadata={"pad": pad})
         header = _header(path)
-        if (8 + len(header)) % _ALIGN_BYTES:  # safetensors laid its header out otherwise: pad what it wrote
+        # safetensors laid its header out otherwise: pad what it wrote
+        if (8 + len(header)) % _ALIGN_BYTES:
             unpadded = len(header.rstrip()) - len(pad)  # its length with an empty pad
             save_file(named, path, metadata={"pad": " " * ((-8 - unpadded) % _ALIGN_BYTES)})
 
     try:
         write_atomically(entry, write)
-        log.info("cached the %s of %s in %s (%.0f MiB)", kind, source.name, entry, entry.stat().st_size / 2**20)
+        log.info(
+            "cached the %s of %s in %s (%.0f MiB)",
+            kind,
+            source.name,
+            entry,
+            entry.stat().st_size / 2**20,
+        )
         prune(keep=entry)
     except OSError as error:
         log.warning("could not cache the %s of %s: %s", kind, source, error)
@@ -273,8 +295,11 @@ def _aligning_pad(named: dict[str, "torch.Tensor"]) -> str:
     for name in sorted(named):
         tensor = named[name]
         size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": _SAFETENSORS_DTYPES.get(str(tensor.dtype), "?"), "shape": list(tensor.shape),
-                         "data_offsets": [offset, offset + size]}
+        entries[name] = {
+            "dtype": _SAFETENSORS_DTYPES.get(str(tensor.dtype), "?"),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header = json.dumps({"__metadata__": {"pad": ""}, **entries}, separators=(",", ":"))
     return " " * ((-8 - len(header)) % _ALIGN_BYTES)

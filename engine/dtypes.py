@@ -46,9 +46,14 @@ def resolve_device(name: str | torch.device) -> str:
     if kind not in DEVICES[1:]:
         raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
     if kind == "cuda" and not torch.cuda.is_available():
-        why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
-               else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)")
-        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device: {why}; use --device cpu or auto")
+        why = (
+            f"this torch ({torch.__version__}) is built without CUDA"
+            if torch.version.cuda is None
+            else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)"
+        )
+        raise ValueError(
+            f"device {name!r} asked for, but torch sees no CUDA device: {why}; use --device cpu or auto"
+        )
     return name
 
 
@@ -75,8 +80,14 @@ def _auto_dtype_and_reason(device: str) -> tuple[torch.dtype, str]:
             raise ValueError(f"${AUTO_DTYPE_ENV} must be float32 or bfloat16, got {forced!r}")
         return getattr(torch, forced), f"${AUTO_DTYPE_ENV}={forced}"
     isa = torch.backends.cpu.get_cpu_capability()
-    native = [name for name, has in (("AVX512_BF16", torch.cpu._is_avx512_bf16_supported()),
-                                     ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+    native = [
+        name
+        for name, has in (
+            ("AVX512_BF16", torch.cpu._is_avx512_bf16_supported()),
+            ("AMX", torch.cpu._is_amx_tile_supported()),
+        )
+        if has
+    ]
     if native:
         return torch.bfloat16, f"CPU {isa} with native bf16 ({'+'.join(native)})"
     return torch.float32, f"CPU {isa} without native bf16"

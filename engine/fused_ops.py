@@ -48,12 +48,25 @@ class FusedOps:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             setattr(self, f"_{name}", fn)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """RMSNorm of x's rows times `weight`; with `residual`, x += residual first, in place."""
         out = torch.empty_like(x)
-        self._add_rms_norm_bf16(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], eps,
-                                torch.get_num_threads())
+        self._add_rms_norm_bf16(
+            _ptr(x),
+            _ptr(residual),
+            _ptr(weight),
+            _ptr(out),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
         return out
 
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -67,15 +80,30 @@ class FusedOps:
         self._silu_mul_bf16(_ptr(gate_up), _ptr(out), rows, inter, torch.get_num_threads())
         return out
 
-    def rope(self, rows: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, signed_sin: torch.Tensor
-             ) -> torch.Tensor:
+    def rope(
+        self,
+        rows: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> torch.Tensor:
         """The rotary embedding of the first `heads` heads of each row (`rows` [tokens, >= heads * head_dim],
         its last dim contiguous); cos and signed_sin [tokens, 1, head_dim] (RotaryEmbedding.cos_sin).
         Returns a contiguous [tokens, heads, head_dim]."""
         tokens = rows.shape[0]
         out = torch.empty(tokens, heads, head_dim, dtype=rows.dtype)
-        self._rope_bf16(_ptr(rows), rows.stride(0), _ptr(cos.contiguous()), _ptr(signed_sin.contiguous()), _ptr(out),
-                        tokens, heads, head_dim, torch.get_num_threads())
+        self._rope_bf16(
+            _ptr(rows),
+            rows.stride(0),
+            _ptr(cos.contiguous()),
+            _ptr(signed_sin.contiguous()),
+            _ptr(out),
+            tokens,
+            heads,
+            head_dim,
+            torch.get_num_threads(),
+        )
         return out
 
 

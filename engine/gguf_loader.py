@@ -43,7 +43,8 @@ def _reader_class():
 
         @data.setter
         def data(self, mapped: np.ndarray) -> None:
-            self._plain_data = np.asarray(mapped)  # still the mapped file's pages, read as they are touched
+            # still the mapped file's pages, read as they are touched
+            self._plain_data = np.asarray(mapped)
 
     return PlainArrayReader
 
@@ -61,7 +62,11 @@ def open_gguf(path: Path):
 
 def read_fields(reader) -> dict[str, Any]:
     """Every metadata field as a plain Python value."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if not name.startswith("GGUF.")
+    }
 
 
 def read_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
@@ -79,7 +84,9 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
 def config_from_fields(fields: dict[str, Any], has_output_weight: bool, name: str) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in _SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_SUPPORTED_ARCHITECTURES)})")
+        raise GGUFError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_SUPPORTED_ARCHITECTURES)})"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{key}", default)
@@ -89,7 +96,12 @@ def config_from_fields(fields: dict[str, Any], has_output_weight: bool, name: st
 
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
-    head_dim = int(fields.get(f"{arch}.attention.key_length", fields.get(f"{arch}.rope.dimension_count", hidden // num_heads)))
+    head_dim = int(
+        fields.get(
+            f"{arch}.attention.key_length",
+            fields.get(f"{arch}.rope.dimension_count", hidden // num_heads),
+        )
+    )
     vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
     return ModelConfig(
         name=name,
@@ -111,7 +123,11 @@ def config_from_fields(fields: dict[str, Any], has_output_weight: bool, name: st
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     # llama.cpp stores each head's rotary pairs interleaved; HF keeps the two halves apart.
     half_rows = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, half_rows, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, half_rows, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 _LAYER_NAMES = {
@@ -128,7 +144,11 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def iter_hf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,7 +159,12 @@ def iter_hf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[st
     for tensor in reader.tensors:
         name = tensor.name
         if name == "rope_freqs.weight":
-            yield "rope_freqs", torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+            yield (
+                "rope_freqs",
+                torch.from_numpy(
+                    np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+                ),
+            )
             continue
         if name in _GLOBAL_NAMES:
             hf_name = _GLOBAL_NAMES[name]
@@ -150,7 +175,9 @@ def iter_hf_tensors(reader, config: ModelConfig, arch: str) -> Iterator[tuple[st
                 raise GGUFError(f"unexpected tensor {name!r} in GGUF file")
             hf_name = f"model.layers.{int(layer)}.{_LAYER_NAMES[suffix]}"
         shape = tuple(reversed([int(d) for d in tensor.shape]))
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
+            shape
+        )
         if arch == "llama" and ".attn_q." in name:
             array = _unpermute_rows(array, config.num_heads)
         elif arch == "llama" and ".attn_k." in name:

@@ -20,7 +20,9 @@ def read_config(path: Path) -> tuple[ModelConfig, tuple[int, ...]]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    return config_from_hf(json.loads(config_file.read_text()), name=path.name), read_generation_eos(path)
+    return config_from_hf(json.loads(config_file.read_text()), name=path.name), read_generation_eos(
+        path
+    )
 
 
 def read_generation_eos(path: Path) -> tuple[int, ...]:

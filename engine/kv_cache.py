@@ -30,8 +30,16 @@ class KVLayout:
     dtype: str
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size_tokens: int, dtype: torch.dtype) -> "KVLayout":
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size_tokens, _DTYPE_NAMES[dtype])
+    def for_model(
+        cls, config: ModelConfig, block_size_tokens: int, dtype: torch.dtype
+    ) -> "KVLayout":
+        return cls(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            block_size_tokens,
+            _DTYPE_NAMES[dtype],
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -88,7 +96,14 @@ class PagedKVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size_tokens, layout.num_kv_heads, layout.head_dim)
+        shape = (
+            layout.num_layers,
+            2,
+            num_blocks,
+            layout.block_size_tokens,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         self.kv = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
         self._copy_stream = None  # CUDA: host staging of exported blocks (`_stage_to_host`)
         self.k_caches = [self.kv[layer, 0] for layer in range(layout.num_layers)]
@@ -98,8 +113,12 @@ class PagedKVCache:
     def num_blocks_for_bytes(cls, layout: KVLayout, kv_cache_bytes: int) -> int:
         return max(1, kv_cache_bytes // layout.bytes_per_block)
 
-    def export_blocks(self, block_ids: Sequence[int], layers: slice = slice(None),
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def export_blocks(
+        self,
+        block_ids: Sequence[int],
+        layers: slice = slice(None),
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """A contiguous copy `[layers, 2, len(block_ids), block, kv_heads, head_dim]` of these blocks;
         with `out` (a uint8 buffer, large enough) written into its head instead of fresh memory (a
         reused buffer is several times faster to fill here than never-touched pages)."""
@@ -127,11 +146,15 @@ class PagedKVCache:
         stream.synchronize()
         return host
 
-    def import_blocks(self, block_ids: Sequence[int], data: torch.Tensor, layers: slice = slice(None)) -> None:
+    def import_blocks(
+        self, block_ids: Sequence[int], data: torch.Tensor, layers: slice = slice(None)
+    ) -> None:
         """Write exported blocks (same shape as `export_blocks` gives) into these block ids."""
         index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv.device)
         target = self.kv[layers]
         expected = (target.shape[0], 2, len(block_ids), *target.shape[3:])
         if tuple(data.shape) != expected or data.dtype != self.kv.dtype:
-            raise ValueError(f"KV data {tuple(data.shape)} {data.dtype} does not fit {expected} {self.kv.dtype}")
+            raise ValueError(
+                f"KV data {tuple(data.shape)} {data.dtype} does not fit {expected} {self.kv.dtype}"
+            )
         target.index_copy_(2, index, data.to(self.kv.device))

@@ -72,22 +72,39 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model, config.torch_dtype, device)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        self.layout = KVLayout.for_model(self.model_config, config.block_size_tokens, config.torch_dtype)
-        kv_cache_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else auto_kv_cache_bytes(device)
+        self.layout = KVLayout.for_model(
+            self.model_config, config.block_size_tokens, config.torch_dtype
+        )
+        kv_cache_bytes = (
+            config.kv_cache_bytes
+            if config.kv_cache_bytes is not None
+            else auto_kv_cache_bytes(device)
+        )
         num_blocks = PagedKVCache.num_blocks_for_bytes(self.layout, kv_cache_bytes)
         use_graphs = config.cuda_graphs and torch.device(device).type == "cuda"
         # With CUDA graphs, one block past the allocator's is the sink padding rows write to.
         self.kv_cache = PagedKVCache(self.layout, num_blocks + use_graphs, device)
-        self.allocator = BlockAllocator(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
+        self.allocator = BlockAllocator(
+            num_blocks, config.block_size_tokens, config.enable_prefix_caching
+        )
         # The longest sequence (prompt + output) this engine serves: the model's context, unless its KV
         # cache holds fewer tokens (a sequence alone must always fit, or it would preempt itself for ever).
-        self.max_model_len = min(self.model_config.max_context_tokens, num_blocks * config.block_size_tokens)
+        self.max_model_len = min(
+            self.model_config.max_context_tokens, num_blocks * config.block_size_tokens
+        )
         self.scheduler = Scheduler(config.scheduler, self.allocator)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache)
         if use_graphs:
-            self.runner.graphs = decode_graphs_for(self.loaded.model, self.kv_cache, config.max_num_seqs,
-                                                   self.max_model_len, sink_block=num_blocks)
-        self.eos_token_ids = frozenset(self.tokenizer.special.eos_token_ids) if self.tokenizer else frozenset()
+            self.runner.graphs = decode_graphs_for(
+                self.loaded.model,
+                self.kv_cache,
+                config.max_num_seqs,
+                self.max_model_len,
+                sink_block=num_blocks,
+            )
+        self.eos_token_ids = (
+            frozenset(self.tokenizer.special.eos_token_ids) if self.tokenizer else frozenset()
+        )
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, Sequence] = {}
@@ -96,7 +113,11 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: Union[str, Seq[int]], params: SamplingParams, hand_off_after_prefill: bool = False
+        self,
+        request_id: str,
+        prompt: Union[str, Seq[int]],
+        params: SamplingParams,
+        hand_off_after_prefill: bool = False,
     ) -> None:
         if request_id in self._seqs or request_id in self._held:
             raise RequestError(f"request_id {request_id!r} is already in use")
@@ -107,11 +128,18 @@ class LLMEngine:
         else:
             prompt_ids = list(prompt)
         self.validate_prompt(prompt_ids)
-        seq = Sequence(request_id, prompt_ids, params.with_seed(), arrival_time_s=time.monotonic(),
-                       hand_off_after_prefill=hand_off_after_prefill)
+        seq = Sequence(
+            request_id,
+            prompt_ids,
+            params.with_seed(),
+            arrival_time_s=time.monotonic(),
+            hand_off_after_prefill=hand_off_after_prefill,
+        )
         self._seqs[request_id] = seq
         if self._needs_text(params):
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop
+            )
         self.scheduler.add(seq)
 
     def _needs_text(self, params: SamplingParams) -> bool:
@@ -128,7 +156,8 @@ class LLMEngine:
             raise RequestError(
                 f"prompt has {len(prompt_ids)} tokens; this engine serves {self.max_model_len} tokens of context (the "
                 f"model's {self.model_config.max_context_tokens}, its KV cache's "
-                f"{self.allocator.num_blocks * self.config.block_size_tokens}): prompt plus at least one output token")
+                f"{self.allocator.num_blocks * self.config.block_size_tokens}): prompt plus at least one output token"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stops a request wherever it is (queued, running or held for handoff) and frees its blocks."""
@@ -146,7 +175,9 @@ class LLMEngine:
     def export_kv(self, request_id: str, layers: slice = slice(None)) -> torch.Tensor:
         """The prompt's KV of a handed-off request, `[layers, 2, blocks, block, kv_heads, head_dim]`."""
         seq = self._held[request_id]
-        return self.kv_cache.export_blocks(seq.block_ids[: self.allocator.blocks_needed(seq.num_prompt_tokens)], layers)
+        return self.kv_cache.export_blocks(
+            seq.block_ids[: self.allocator.blocks_needed(seq.num_prompt_tokens)], layers
+        )
 
     def release_kv(self, request_id: str) -> bool:
         """Frees a handed-off request's blocks (the receiver acknowledged, or its lease expired)."""
@@ -168,18 +199,33 @@ class LLMEngine:
     # -- KV handoff, decode side ---------------------------------------------------------------
 
     def start_decode(
-        self, request_id: str, prompt_ids: Seq[int], first_token_id: int, params: SamplingParams, block_ids: list[int]
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        first_token_id: int,
+        params: SamplingParams,
+        block_ids: list[int],
     ) -> None:
         """Admits a request whose prompt KV sits in `block_ids` (whose references pass to the engine)
         and whose first token was sampled elsewhere; it joins the running batch at the next step."""
         if request_id in self._seqs:
             raise RequestError(f"request_id {request_id!r} is already in use")
         if len(block_ids) < self.allocator.blocks_needed(len(prompt_ids)):
-            raise RequestError(f"{len(block_ids)} KV blocks cannot hold a prompt of {len(prompt_ids)} tokens")
-        seq = Sequence(request_id, list(prompt_ids), params, output_token_ids=[first_token_id], block_ids=list(block_ids),
-                       num_computed_tokens=len(prompt_ids), arrival_time_s=time.monotonic())
+            raise RequestError(
+                f"{len(block_ids)} KV blocks cannot hold a prompt of {len(prompt_ids)} tokens"
+            )
+        seq = Sequence(
+            request_id,
+            list(prompt_ids),
+            params,
+            output_token_ids=[first_token_id],
+            block_ids=list(block_ids),
+            num_computed_tokens=len(prompt_ids),
+            arrival_time_s=time.monotonic(),
+        )
         self._seqs[request_id] = seq
-        self.allocator.register_computed(seq.prompt_token_ids, seq.block_ids, len(prompt_ids))  # later prompts find it
+        # later prompts find it
+        self.allocator.register_computed(seq.prompt_token_ids, seq.block_ids, len(prompt_ids))
         if self._needs_text(params):
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
             detok.add_token(first_token_id)  # its text was streamed by the prefill side
@@ -191,8 +237,12 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def step(self, compute: Callable[[ScheduledBatch], ContextManager] = lambda batch: contextlib.nullcontext()
-             ) -> list[RequestOutput]:
+    def step(
+        self,
+        compute: Callable[[ScheduledBatch], ContextManager] = lambda batch: (
+            contextlib.nullcontext()
+        ),
+    ) -> list[RequestOutput]:
         """One scheduled batch. `compute(batch)` wraps its forward pass and sampling, and may give a
         callable the model runs between layers (serving workers size their threads there:
         runtime/cores.py)."""
@@ -207,7 +257,9 @@ class LLMEngine:
                 if batch.is_prefill:
                     every_position = [seq.wants_prompt_logprobs for seq in batch.seqs]
                     if any(every_position):
-                        logits = self.runner.prefill(batch.seqs, batch.num_new_tokens, every_position)
+                        logits = self.runner.prefill(
+                            batch.seqs, batch.num_new_tokens, every_position
+                        )
                         logits = self._score_prompts(batch, logits, every_position)
                     else:
                         logits = self.runner.prefill(batch.seqs, batch.num_new_tokens)
@@ -218,12 +270,18 @@ class LLMEngine:
                     sampled_seqs = batch.seqs
             finally:
                 model.between_layers = None
-            tokens = sample(logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs])
+            tokens = sample(
+                logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs]
+            )
             logprobs = _sampled_logprobs(logits, sampled_seqs, tokens)
-        return [self._append_token(seq, token, batch, token_logprobs)
-                for seq, token, token_logprobs in zip(sampled_seqs, tokens, logprobs)]
+        return [
+            self._append_token(seq, token, batch, token_logprobs)
+            for seq, token, token_logprobs in zip(sampled_seqs, tokens, logprobs)
+        ]
 
-    def _score_prompts(self, batch: ScheduledBatch, logits: torch.Tensor, every_position: list[bool]) -> torch.Tensor:
+    def _score_prompts(
+        self, batch: ScheduledBatch, logits: torch.Tensor, every_position: list[bool]
+    ) -> torch.Tensor:
         """A prefill whose `every_position` sequences got logits at every position of their chunk: their
         prompt tokens' logprobs are taken here (the logits at position p score token p + 1); returns the
         rows to sample from, one per sequence whose prompt this chunk completes. Before `after_prefill`."""
@@ -231,10 +289,14 @@ class LLMEngine:
         for seq, chunk, every in zip(batch.seqs, batch.num_new_tokens, every_position):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk
             if every:
-                scored = min(end, seq.num_prompt_tokens - 1) - begin  # positions whose next token is a prompt token
+                # positions whose next token is a prompt token
+                scored = min(end, seq.num_prompt_tokens - 1) - begin
                 if scored > 0:
-                    seq.prompt_logprobs += logprobs_of(logits[row:row + scored], seq.prompt_token_ids[begin + 1:end + 1][:scored],
-                                                       [seq.params.prompt_logprobs] * scored)
+                    seq.prompt_logprobs += logprobs_of(
+                        logits[row : row + scored],
+                        seq.prompt_token_ids[begin + 1 : end + 1][:scored],
+                        [seq.params.prompt_logprobs] * scored,
+                    )
                 row += chunk
                 if end == seq.num_tokens:
                     sample_rows.append(row - 1)
@@ -243,19 +305,30 @@ class LLMEngine:
                 row += 1
         return logits[sample_rows]
 
-    def _append_token(self, seq: Sequence, token: int, batch: ScheduledBatch,
-                      token_logprobs: Optional[TokenLogprobs] = None) -> RequestOutput:
+    def _append_token(
+        self,
+        seq: Sequence,
+        token: int,
+        batch: ScheduledBatch,
+        token_logprobs: Optional[TokenLogprobs] = None,
+    ) -> RequestOutput:
         seq.output_token_ids.append(token)
         reason = self.finish_reason(seq, token)
         detok = self._detokenizers.get(seq.request_id)
         text = ""
-        if detok is not None and not (reason is FinishReason.STOP and self._is_stop_token(seq, token)):
+        if detok is not None and not (
+            reason is FinishReason.STOP and self._is_stop_token(seq, token)
+        ):
             text = detok.add_token(token)
             if detok.stop_string is not None:
                 reason = FinishReason.STOP
         output = RequestOutput(
-            seq.request_id, [token], text, num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(seq.output_token_ids), num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            seq.request_id,
+            [token],
+            text,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             logprobs=None if token_logprobs is None else [token_logprobs],
         )
         if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
@@ -277,24 +350,33 @@ class LLMEngine:
         return output
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        return token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos)
+        return token in seq.params.stop_token_ids or (
+            token in self.eos_token_ids and not seq.params.ignore_eos
+        )
 
     def finish_reason(self, seq: Sequence, token: int) -> Optional[FinishReason]:
         if self._is_stop_token(seq, token):
             return FinishReason.STOP
-        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if (
+            len(seq.output_token_ids) >= seq.params.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        ):
             return FinishReason.LENGTH
         return None
 
     # -- conveniences --------------------------------------------------------------------------
 
-    def generate(self, prompts: Seq[Union[str, Seq[int]]], params: SamplingParams) -> list[CompletedRequest]:
+    def generate(
+        self, prompts: Seq[Union[str, Seq[int]]], params: SamplingParams
+    ) -> list[CompletedRequest]:
         """Runs the prompts as one continuous batch to completion."""
         results: dict[str, CompletedRequest] = {}
         for index, prompt in enumerate(prompts):
             request_id = f"generate-{index}-{os.urandom(4).hex()}"
             self.add_request(request_id, prompt, params)
-            results[request_id] = CompletedRequest(request_id, self._seqs[request_id].prompt_token_ids)
+            results[request_id] = CompletedRequest(
+                request_id, self._seqs[request_id].prompt_token_ids
+            )
         for output in self.run_until_done():
             done = results[output.request_id]
             done.token_ids += output.new_token_ids
@@ -307,13 +389,17 @@ class LLMEngine:
             yield from self.step()
 
 
-def _sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[Optional[TokenLogprobs]]:
+def _sampled_logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
+) -> list[Optional[TokenLogprobs]]:
     """The sampled tokens' logprobs, computed only for the rows whose params ask for them."""
     rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
     if not rows:
         return [None] * len(seqs)
     picked = logits if len(rows) == len(seqs) else logits[rows]
-    values = logprobs_of(picked, [tokens[row] for row in rows], [seqs[row].params.logprobs for row in rows])
+    values = logprobs_of(
+        picked, [tokens[row] for row in rows], [seqs[row].params.logprobs for row in rows]
+    )
     result: list[Optional[TokenLogprobs]] = [None] * len(seqs)
     for row, value in zip(rows, values):
         result[row] = value

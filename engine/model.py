@@ -91,10 +91,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._cos_sin: Optional[torch.Tensor] = None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._cos_sin
         if table is None or table.dtype != dtype or table.device != positions.device:
-            t = torch.arange(self.config.max_context_tokens, dtype=torch.float32, device=positions.device)
+            t = torch.arange(
+                self.config.max_context_tokens, dtype=torch.float32, device=positions.device
+            )
             freqs = torch.outer(t, self.inv_freq.to(positions.device))
             emb = torch.cat((freqs, freqs), dim=-1)
             # sin with rotate_half's sign folded in: rotate_half(x) * sin == swap_halves(x) * signed_sin, exactly
@@ -116,10 +120,13 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
-        self.decode_kernel: Optional["PagedDecodeAttention"] = None  # set by LlamaModel.use_decode_kernel
+        # set by LlamaModel.use_decode_kernel
+        self.decode_kernel: Optional["PagedDecodeAttention"] = None
 
     def forward(
         self,
@@ -138,8 +145,13 @@ class Attention(nn.Module):
         if fused is not None:
             qk = fused.rope(qkv, c.num_heads + c.num_kv_heads, c.head_dim, cos, sin)
         else:
-            qk = apply_rope(qkv[:, : c.q_size + c.kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim),
-                            cos, sin)
+            qk = apply_rope(
+                qkv[:, : c.q_size + c.kv_size].view(
+                    num_tokens, c.num_heads + c.num_kv_heads, c.head_dim
+                ),
+                cos,
+                sin,
+            )
         q, k = qk.split((c.num_heads, c.num_kv_heads), dim=1)
         v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
         # k/v caches: [num_blocks, block_size, kv_heads, head_dim]; write this batch's tokens.
@@ -158,15 +170,22 @@ class Attention(nn.Module):
         batch_size = q.shape[0]
         block_tables = batch.decode_block_tables
         if self.decode_kernel is not None and self.decode_kernel.supports(k_cache):
-            out = self.decode_kernel(q, k_cache, v_cache, block_tables, batch.decode_context_lens, self.scale)
+            out = self.decode_kernel(
+                q, k_cache, v_cache, block_tables, batch.decode_context_lens, self.scale
+            )
             return out.reshape(batch_size, c.q_size)
         # index_select, not k_cache[block_tables]: the same copy, several times faster on CPU
-        keys = _gather_blocks(k_cache, block_tables).flatten(1, 2).transpose(1, 2)  # [B, kv_heads, T, head_dim]
+        # [B, kv_heads, T, head_dim]
+        keys = _gather_blocks(k_cache, block_tables).flatten(1, 2).transpose(1, 2)
         values = _gather_blocks(v_cache, block_tables).flatten(1, 2).transpose(1, 2)
         span = torch.arange(keys.shape[2], device=q.device)
-        mask = (span.unsqueeze(0) < batch.decode_context_lens.unsqueeze(1)).view(batch_size, 1, 1, -1)
+        mask = (span.unsqueeze(0) < batch.decode_context_lens.unsqueeze(1)).view(
+            batch_size, 1, 1, -1
+        )
         grouped_q = q.view(batch_size, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(
+            grouped_q, keys, values, attn_mask=mask, scale=self.scale
+        )
         return out.reshape(batch_size, c.q_size)
 
     def _prefill_attention(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
@@ -178,8 +197,12 @@ class Attention(nn.Module):
             if num_cached == 0:
                 keys, values = k[rows], v[rows]
             else:  # a later chunk, or a cached prefix: attend to what the cache holds
-                keys = _gather_blocks(k_cache, part.block_table).flatten(0, 1)[: part.num_context_tokens]
-                values = _gather_blocks(v_cache, part.block_table).flatten(0, 1)[: part.num_context_tokens]
+                keys = _gather_blocks(k_cache, part.block_table).flatten(0, 1)[
+                    : part.num_context_tokens
+                ]
+                values = _gather_blocks(v_cache, part.block_table).flatten(0, 1)[
+                    : part.num_context_tokens
+                ]
             if _use_blocked_prefill(q, num_cached):
                 outputs.append(self._blocked_causal_attention(q[rows], keys, values))
                 continue
@@ -202,7 +225,9 @@ class Attention(nn.Module):
             outputs.append(out[0].transpose(0, 1).reshape(part.num_query_tokens, c.q_size))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _blocked_causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _blocked_causal_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """Causal attention of a prompt's `n` new tokens `q` over `k`/`v`: the context before them (a cached
         prefix, earlier chunks; all visible) followed by their own keys. `_PREFILL_BLOCK` queries at a time,
         as two batched matmuls per block over only the keys before it (oneDNN's bf16 GEMM) and an fp32
@@ -210,21 +235,32 @@ class Attention(nn.Module):
         c = self.config
         n, group = q.shape[0], c.num_heads // c.num_kv_heads
         num_cached = k.shape[0] - n
-        grouped_q = q.transpose(0, 1).reshape(c.num_kv_heads, group, n, c.head_dim)  # query heads by kv head
-        keys_t, values = k.permute(1, 2, 0), v.transpose(0, 1)  # [kv_heads, head_dim, n], [kv_heads, n, head_dim]
+        # query heads by kv head
+        grouped_q = q.transpose(0, 1).reshape(c.num_kv_heads, group, n, c.head_dim)
+        # [kv_heads, head_dim, n], [kv_heads, n, head_dim]
+        keys_t, values = k.permute(1, 2, 0), v.transpose(0, 1)
         out = torch.empty(c.num_kv_heads, group, n, c.head_dim, dtype=q.dtype, device=q.device)
         future = torch.full((_PREFILL_BLOCK, _PREFILL_BLOCK), float("-inf")).triu(1)
         for start in range(0, n, _PREFILL_BLOCK):
             end = min(n, start + _PREFILL_BLOCK)
-            rows = grouped_q[:, :, start:end].reshape(c.num_kv_heads, group * (end - start), c.head_dim)
+            rows = grouped_q[:, :, start:end].reshape(
+                c.num_kv_heads, group * (end - start), c.head_dim
+            )
             visible = num_cached + end  # the context and every new token up to this block's last
-            scores = torch.bmm(rows, keys_t[:, :, :visible]).float().view(c.num_kv_heads, group, end - start, visible)
+            scores = (
+                torch.bmm(rows, keys_t[:, :, :visible])
+                .float()
+                .view(c.num_kv_heads, group, end - start, visible)
+            )
             scores.mul_(self.scale)
             # the context and earlier blocks are all visible; within the block, each query sees those before it
             scores[..., num_cached + start : visible] += future[: end - start, : end - start]
-            probs = scores.softmax(-1).to(q.dtype).view(c.num_kv_heads, group * (end - start), visible)
-            out[:, :, start:end] = torch.bmm(probs, values[:, :visible]).view(c.num_kv_heads, group, end - start,
-                                                                             c.head_dim)
+            probs = (
+                scores.softmax(-1).to(q.dtype).view(c.num_kv_heads, group * (end - start), visible)
+            )
+            out[:, :, start:end] = torch.bmm(probs, values[:, :visible]).view(
+                c.num_kv_heads, group, end - start, c.head_dim
+            )
         return out.view(c.num_heads, n, c.head_dim).transpose(0, 1).reshape(n, c.q_size)
 
 
@@ -247,7 +283,9 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
 
 def _use_blocked_prefill(q: torch.Tensor, num_cached_tokens: int) -> bool:
-    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and (num_cached_tokens > 0 or not _AMX)
+    return (
+        q.dtype == torch.bfloat16 and q.device.type == "cpu" and (num_cached_tokens > 0 or not _AMX)
+    )
 
 
 class MLP(nn.Module):
@@ -293,11 +331,18 @@ class LlamaModel(nn.Module):
         self.config = config
         # Weights are always loaded over the initial values, so the embedding skips its random init: on the
         # meta device `normal_` imports torch._dynamo, a second of every worker's start.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.rotary = RotaryEmbedding(config)
         # Called after each layer while set (a serving worker handing borrowed cores back mid-step,
         # runtime/cores.py); torch ops read the thread count afresh each time.

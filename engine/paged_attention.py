@@ -34,13 +34,25 @@ DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 # Reassociation lets the compiler vectorize the dot products and sums (3x here); unlike -ffast-math it
 # keeps infinities and NaNs meaningful.
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math",
-          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=fast",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
 # OpenMP threads a batch over torch's own OpenMP runtime; a compiler without OpenMP still gets the
 # `omp simd` vectorization, single-threaded.
 OPENMP_FLAGS = (("-fopenmp",), ("-fopenmp-simd",))
 MAX_HEAD_DIM = 256  # as in the C source
-_FUNCTIONS = {torch.bfloat16: "paged_decode_attention_bf16", torch.float32: "paged_decode_attention_f32"}
+_FUNCTIONS = {
+    torch.bfloat16: "paged_decode_attention_bf16",
+    torch.float32: "paged_decode_attention_f32",
+}
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
 
 
@@ -58,30 +70,52 @@ def _cpu_features() -> str:
     return os.uname().machine
 
 
-def build(compiler: Optional[str] = None, source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
+def build(
+    compiler: Optional[str] = None, source: Path = SOURCE, extra_flags: tuple[str, ...] = ()
+) -> Path:
     """Compiles `source` (a C file of engine/csrc, with CFLAGS and `extra_flags`) unless a build of it for
     this compiler and CPU is cached; returns the .so."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise KernelBuildError("no C compiler found (set CC)")
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
     flags = (*CFLAGS, *extra_flags)
-    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]  # what it may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), str(OPENMP_FLAGS), version,
-                                     _cpu_features()]).encode()).hexdigest()[:16]
+    # what it may include
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                source.read_text(),
+                *headers,
+                " ".join(flags),
+                str(OPENMP_FLAGS),
+                version,
+                _cpu_features(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
 
     def compile_to(path: str) -> None:
         for openmp in OPENMP_FLAGS:
-            result = subprocess.run([compiler, *flags, *openmp, "-o", path, str(source), "-lm"], capture_output=True, text=True, timeout=120)
+            result = subprocess.run(
+                [compiler, *flags, *openmp, "-o", path, str(source), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             if result.returncode == 0:
                 return
-        raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+        raise KernelBuildError(
+            f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
+        )
 
     write_atomically(target, compile_to)
     return target
@@ -101,12 +135,21 @@ class PagedDecodeAttention:
     def supports(self, cache: torch.Tensor) -> bool:
         """Whether this cache (`[blocks, block_size, kv_heads, head_dim]`) is one the kernel handles."""
         return (
-            cache.device.type == "cpu" and cache.dtype in self._functions and cache.is_contiguous()
+            cache.device.type == "cpu"
+            and cache.dtype in self._functions
+            and cache.is_contiguous()
             and cache.shape[-1] <= MAX_HEAD_DIM
         )
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """q `[batch, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]`; returns q's shape and dtype."""
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -115,7 +158,9 @@ class PagedDecodeAttention:
         tables = block_tables.contiguous()
         lens = context_lens.contiguous()
         fn = self._functions[k_cache.dtype]
-        pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q32, k_cache, v_cache, tables, lens, out)]
+        pointers = [
+            ctypes.c_void_p(t.data_ptr()) for t in (q32, k_cache, v_cache, tables, lens, out)
+        ]
         shape = (batch, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1])
         code = fn(*pointers, *shape, scale, torch.get_num_threads())
         if code:
@@ -143,7 +188,9 @@ def load_triton_kernel():
     try:
         from engine.triton_paged_attention import TritonPagedDecodeAttention
     except ImportError as exc:
-        log.warning("Triton paged decode-attention kernel unavailable, using the torch path: %s", exc)
+        log.warning(
+            "Triton paged decode-attention kernel unavailable, using the torch path: %s", exc
+        )
         return None
     return TritonPagedDecodeAttention()
 

@@ -45,7 +45,11 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if (
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
+            or self.max_tokens < 1
+        ):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
@@ -55,14 +59,24 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 1 (or unset), got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
-        if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+            not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop
+        ):
+            raise ValueError(
+                f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {value!r}")
+            if value is not None and (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {value!r}"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -32,7 +32,9 @@ class SchedulerConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
-            raise ValueError(f"decode_interleave_tokens must be >= 1, got {self.decode_interleave_tokens}")
+            raise ValueError(
+                f"decode_interleave_tokens must be >= 1, got {self.decode_interleave_tokens}"
+            )
 
 
 @dataclass
@@ -49,7 +51,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._prefilled_last = False  # the last step was a prefill (interleaving: a decode step comes next)
+        # the last step was a prefill (interleaving: a decode step comes next)
+        self._prefilled_last = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -65,7 +68,10 @@ class Scheduler:
     def schedule(self) -> Optional[ScheduledBatch]:
         interleave = self.config.decode_interleave_tokens
         if interleave is None or not self.running:
-            batch = self._schedule_prefill(self.config.max_num_batched_tokens) or self._schedule_decode()
+            batch = (
+                self._schedule_prefill(self.config.max_num_batched_tokens)
+                or self._schedule_decode()
+            )
         else:
             chunk = min(interleave, self.config.max_num_batched_tokens)
             if self._prefilled_last:
@@ -82,11 +88,16 @@ class Scheduler:
                 break
             if not seq.block_ids:
                 try:
-                    if seq.wants_prompt_logprobs:  # every prompt position's logits: nothing from the prefix cache
-                        seq.block_ids = self.allocator.allocate(self.allocator.blocks_needed(seq.num_tokens))
+                    # every prompt position's logits: nothing from the prefix cache
+                    if seq.wants_prompt_logprobs:
+                        seq.block_ids = self.allocator.allocate(
+                            self.allocator.blocks_needed(seq.num_tokens)
+                        )
                         seq.num_cached_prompt_tokens = 0
                     else:
-                        seq.block_ids, seq.num_cached_prompt_tokens = self.allocator.allocate_prompt(seq.token_ids)
+                        seq.block_ids, seq.num_cached_prompt_tokens = (
+                            self.allocator.allocate_prompt(seq.token_ids)
+                        )
                 except OutOfBlocksError:
                     break  # it waits until running sequences free blocks
                 seq.num_computed_tokens = seq.num_cached_prompt_tokens

@@ -51,8 +51,19 @@ _GPT4O_SPLIT = (
 )
 _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(
-        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
-         "dbrx", "smaug-bpe"],
+        [
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ],
         _LLAMA3_SPLIT,
     ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
@@ -79,8 +90,12 @@ class SpecialTokens:
     @property
     def template_variables(self) -> dict[str, str]:
         """What a chat template sees of these, as HF passes its `special_tokens_map`: only the tokens that are set."""
-        named = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
-                 "pad_token": self.pad_token}
+        named = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self.unk_token,
+            "pad_token": self.pad_token,
+        }
         return {name: token for name, token in named.items() if token is not None}
 
 
@@ -98,14 +113,17 @@ class Tokenizer:
         """From GGUF metadata already read into plain Python values (see `engine.gguf_loader`)."""
         kind = fields.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
+            raise TokenizerError(
+                f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)"
+            )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         token_types: Sequence[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
         alphabet = set(_BYTE_TO_CHAR.values())
         vocab: dict[str, int] = {}
         for index, token in enumerate(tokens):
-            if not set(token) <= alphabet:  # a token stored as plain text: respell it in the byte alphabet
+            # a token stored as plain text: respell it in the byte alphabet
+            if not set(token) <= alphabet:
                 token = "".join(_BYTE_TO_CHAR[b] for b in token.encode("utf-8"))
             vocab[token] = index  # a token spelled twice keeps its last id, as HF's rebuild does
         backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
@@ -114,18 +132,30 @@ class Tokenizer:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
             backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
             )
         backend.decoder = decoders.ByteLevel()
-        control = [t for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+        control = [
+            t
+            for t, kind in zip(tokens, token_types)
+            if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet
+        ]
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        user_defined = [t for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED and t in vocab]
+        user_defined = [
+            t
+            for t, kind in zip(tokens, token_types)
+            if kind == _TOKEN_TYPE_USER_DEFINED and t in vocab
+        ]
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 
         def token_at(key: str) -> Optional[str]:
             token_id = fields.get(key)
-            return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+            return (
+                tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+            )
 
         eos_id = fields.get("tokenizer.ggml.eos_token_id")
         eot_id = fields.get("tokenizer.ggml.eot_token_id")
@@ -153,7 +183,11 @@ class Tokenizer:
             return value.get("content") if isinstance(value, dict) else value
 
         bos, eos = token_text(config.get("bos_token")), token_text(config.get("eos_token"))
-        eos_ids = [backend.token_to_id(eos)] if eos is not None and backend.token_to_id(eos) is not None else []
+        eos_ids = (
+            [backend.token_to_id(eos)]
+            if eos is not None and backend.token_to_id(eos) is not None
+            else []
+        )
         template = config.get("chat_template")
         template_file = path / "chat_template.jinja"
         if template is None and template_file.is_file():
@@ -182,7 +216,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.special.add_bos_token and self.special.bos_token_id is not None:
+        if (
+            add_special_tokens
+            and self.special.add_bos_token
+            and self.special.bos_token_id is not None
+        ):
             ids = [self.special.bos_token_id, *ids]
         return ids
 
@@ -192,26 +230,39 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self.backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template; send a plain prompt instead")
         if self._compiled_template is None:
             self._compiled_template = _chat_environment().from_string(self.chat_template)
         # As HF does: keys set to None are dropped (OpenAI clients send `"content": null`, and templates test for a
         # missing key), and `tools`/`documents` are None unless given, which templates test with `is not none`.
-        messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        messages = [
+            {key: value for key, value in message.items() if value is not None}
+            for message in messages
+        ]
         variables = {**self.special.template_variables, "tools": None, "documents": None, **extra}
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         # The template writes BOS itself where the model wants it, so no special tokens are added.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
 
 def _build_byte_table() -> dict[int, str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table, shift = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -245,8 +296,14 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
     )
-    env.filters["tojson"] = lambda value, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
-        value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys
+    env.filters["tojson"] = (
+        lambda value, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
+            value,
+            indent=indent,
+            ensure_ascii=ensure_ascii,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
     )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -35,26 +35,49 @@ from engine.paged_attention import MAX_HEAD_DIM
 
 TILE_TOKENS = 32  # context tokens per loop step; tl.dot wants every dimension >= 16
 MAX_PARTITIONS = 32
-_PROGRAMS_PER_SM = 4  # split the context until batch x kv heads x partitions fills the GPU this often
+# split the context until batch x kv heads x partitions fills the GPU this often
+_PROGRAMS_PER_SM = 4
 _MIN_DOT_ROWS = 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Triton's interpreter (the CPU tests) computes a bf16 tl.dot wrongly (numpy has no bf16), so there bf16
 # takes the fp32 products; fp16 runs the 16-bit path under the interpreter, the same code.
-_FP32_DOT_DTYPES = (torch.float32, torch.bfloat16) if os.environ.get("TRITON_INTERPRET") == "1" else (torch.float32,)
+_FP32_DOT_DTYPES = (
+    (torch.float32, torch.bfloat16)
+    if os.environ.get("TRITON_INTERPRET") == "1"
+    else (torch.float32,)
+)
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
     scale,
-    stride_q_seq, stride_q_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_q_seq,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
     stride_table_seq,
-    stride_out_seq, stride_out_head,
-    group_size, head_dim, block_size, num_heads, num_partitions,
-    GROUP_ROWS: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, TILE_TOKENS: tl.constexpr,
-    SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    stride_out_seq,
+    stride_out_head,
+    group_size,
+    head_dim,
+    block_size,
+    num_heads,
+    num_partitions,
+    GROUP_ROWS: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    TILE_TOKENS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,8 +93,11 @@ def _paged_decode_kernel(
     row_ok = rows < group_size
     dim_ok = dims < head_dim
     heads = kv_head * group_size + rows
-    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     if FP32_DOT:
         q = q.to(tl.float32)
 
@@ -83,7 +109,11 @@ def _paged_decode_kernel(
         tokens = tile_start + tl.arange(0, TILE_TOKENS)
         token_ok = tokens < context_len
         block_ids = tl.load(table + tokens // block_size, mask=token_ok, other=0).to(tl.int64)
-        row_offsets = block_ids * stride_cache_block + (tokens % block_size) * stride_cache_slot + kv_head * stride_cache_head
+        row_offsets = (
+            block_ids * stride_cache_block
+            + (tokens % block_size) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )
         kv_offsets = row_offsets[:, None] + dims[None, :]
         kv_mask = token_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
@@ -100,29 +130,42 @@ def _paged_decode_kernel(
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if FP32_DOT:
-            acc = acc * correction[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
+            acc = acc * correction[:, None] + tl.dot(
+                probs, v.to(tl.float32), input_precision="ieee"
+            )
         else:
             acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
         running_max = tile_max
 
     out_mask = row_ok[:, None] & dim_ok[None, :]
-    if SPLIT:  # an empty partition (start >= context_len) writes max -inf and sum 0: it weighs nothing
+    # an empty partition (start >= context_len) writes max -inf and sum 0: it weighs nothing
+    if SPLIT:
         slots = (seq * num_heads + heads) * num_partitions + part
         tl.store(part_out_ptr + slots[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
         tl.store(part_max_ptr + slots, running_max, mask=row_ok)
         tl.store(part_sum_ptr + slots, running_sum, mask=row_ok)
     else:
         out = acc / running_sum[:, None]
-        tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
 
 
 @triton.jit
 def _merge_partitions_kernel(
-    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
-    stride_out_seq, stride_out_head,
-    num_heads, num_partitions, head_dim,
-    PARTITIONS_PADDED: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    out_ptr,
+    stride_out_seq,
+    stride_out_head,
+    num_heads,
+    num_partitions,
+    head_dim,
+    PARTITIONS_PADDED: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
 ):
     """One program per (sequence, query head): the partitions' sums, rescaled to their common max."""
     seq = tl.program_id(0)
@@ -134,11 +177,17 @@ def _merge_partitions_kernel(
     maxes = tl.load(part_max_ptr + slots, mask=part_ok, other=float("-inf"))
     sums = tl.load(part_sum_ptr + slots, mask=part_ok, other=0.0)
     weights = tl.exp(maxes - tl.max(maxes, axis=0))  # partition 0 is never empty: the max is finite
-    partial = tl.load(part_out_ptr + slots[:, None] * head_dim + dims[None, :],
-                      mask=part_ok[:, None] & (dims < head_dim)[None, :], other=0.0)
+    partial = tl.load(
+        part_out_ptr + slots[:, None] * head_dim + dims[None, :],
+        mask=part_ok[:, None] & (dims < head_dim)[None, :],
+        other=0.0,
+    )
     out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(sums * weights, axis=0)
-    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < head_dim)
+    tl.store(
+        out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < head_dim,
+    )
 
 
 @lru_cache(maxsize=None)
@@ -162,40 +211,69 @@ class TritonPagedDecodeAttention:
     def supports(self, cache: torch.Tensor) -> bool:
         """Whether this cache (`[blocks, block_size, kv_heads, head_dim]`) is one the kernel handles."""
         return (
-            cache.device.type == "cuda" and cache.dtype in _DTYPES and cache.stride(-1) == 1
+            cache.device.type == "cuda"
+            and cache.dtype in _DTYPES
+            and cache.stride(-1) == 1
             and cache.shape[-1] <= MAX_HEAD_DIM
         )
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, num_partitions: int | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        num_partitions: int | None = None,
+    ) -> torch.Tensor:
         """q `[batch, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]` (K and V with
         the same strides); `context_lens` >= 1, including the new token; returns q's shape and dtype.
         `num_partitions` (tests) overrides `partitions_for`."""
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-            raise ValueError(f"K and V caches need equal strides and contiguous rows, got {k_cache.stride()} and {v_cache.stride()}")
+            raise ValueError(
+                f"K and V caches need equal strides and contiguous rows, got {k_cache.stride()} and {v_cache.stride()}"
+            )
         q = q if q.stride(-1) == 1 else q.contiguous()
         block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         group_size = num_heads // num_kv_heads
         parts = num_partitions or partitions_for(batch, num_kv_heads, q.device)
         if parts > 1:
-            part_out = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
+            part_out = torch.empty(
+                batch, num_heads, parts, head_dim, dtype=torch.float32, device=q.device
+            )
             part_max = torch.empty(batch, num_heads, parts, dtype=torch.float32, device=q.device)
             part_sum = torch.empty_like(part_max)
         else:
             part_out = part_max = part_sum = out  # not read: SPLIT is off
         head_dim_padded = max(_MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
         _paged_decode_kernel[(batch, num_kv_heads, parts)](
-            q, k_cache, v_cache, block_tables, context_lens, out,
-            part_out, part_max, part_sum,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            out,
+            part_out,
+            part_max,
+            part_sum,
             scale,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
             block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            group_size, head_dim, block_size, num_heads, parts,
+            out.stride(0),
+            out.stride(1),
+            group_size,
+            head_dim,
+            block_size,
+            num_heads,
+            parts,
             GROUP_ROWS=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
             HEAD_DIM_PADDED=head_dim_padded,
             TILE_TOKENS=TILE_TOKENS,
@@ -204,9 +282,16 @@ class TritonPagedDecodeAttention:
         )
         if parts > 1:
             _merge_partitions_kernel[(batch, num_heads)](
-                part_out, part_max, part_sum, out,
-                out.stride(0), out.stride(1),
-                num_heads, parts, head_dim,
-                PARTITIONS_PADDED=triton.next_power_of_2(parts), HEAD_DIM_PADDED=head_dim_padded,
+                part_out,
+                part_max,
+                part_sum,
+                out,
+                out.stride(0),
+                out.stride(1),
+                num_heads,
+                parts,
+                head_dim,
+                PARTITIONS_PADDED=triton.next_power_of_2(parts),
+                HEAD_DIM_PADDED=head_dim_padded,
             )
         return out

@@ -42,10 +42,15 @@ class LoadedModel:
     source: str
 
 
-def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> LoadedModel:
+def load_model(
+    spec: str = DEFAULT_MODEL_NAME,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
     device = resolve_device(device)
     if spec.startswith(DUMMY_PREFIX):
-        return load_dummy(spec[len(DUMMY_PREFIX):], dtype, device, seed)
+        return load_dummy(spec[len(DUMMY_PREFIX) :], dtype, device, seed)
     path = resolve_model_path(spec)
     if path.is_dir():
         from engine import hf_loader
@@ -61,18 +66,27 @@ def load_model(spec: str = DEFAULT_MODEL_NAME, dtype: torch.dtype = torch.float3
     tokenizer = Tokenizer.from_gguf_fields(fields)
 
     def dequantized() -> Iterable[tuple[str, torch.Tensor]]:
-        tensors = gguf_loader.iter_hf_tensors(gguf_loader.open_gguf(path), config, fields["general.architecture"])
+        tensors = gguf_loader.iter_hf_tensors(
+            gguf_loader.open_gguf(path), config, fields["general.architecture"]
+        )
         # rope_freqs stays fp32: it scales the rotary frequencies, computed in float64.
         return ((name, t if name == "rope_freqs" else t.to(dtype)) for name, t in tensors)
 
-    if transposing_supported(dtype, device):  # the layout it serves in is plain tensors: cache those
-        model = _served_from_cache(path, config, dtype, device, lambda: build_model(config, dequantized(), dtype, device))
+    # the layout it serves in is plain tensors: cache those
+    if transposing_supported(dtype, device):
+        model = _served_from_cache(
+            path, config, dtype, device, lambda: build_model(config, dequantized(), dtype, device)
+        )
     else:
-        model = build_model(config, disk_cache.gguf_weights(path, dtype, dequantized), dtype, device)
+        model = build_model(
+            config, disk_cache.gguf_weights(path, dtype, dequantized), dtype, device
+        )
     return LoadedModel(config, model, tokenizer, str(path))
 
 
-def _served_from_cache(source, config: ModelConfig, dtype: torch.dtype, device: str, build: Callable[[], LlamaModel]) -> LlamaModel:
+def _served_from_cache(
+    source, config: ModelConfig, dtype: torch.dtype, device: str, build: Callable[[], LlamaModel]
+) -> LlamaModel:
     """The model over its serving tensors (fused, transposed) memory-mapped from the disk cache, else built
     and cached. A worker then makes no copy of the weights but the oneDNN-packed one: building the layout
     afresh wrote 1.4 GB of new memory, 5-15 s of page faults per worker on this VM when two start at once."""
@@ -82,7 +96,11 @@ def _served_from_cache(source, config: ModelConfig, dtype: torch.dtype, device: 
         try:
             return model_over(config, cached, device)
         except ValueError as error:
-            log.warning("the cached serving weights of %s do not fit the model (%s); reading the model file", source, error)
+            log.warning(
+                "the cached serving weights of %s do not fit the model (%s); reading the model file",
+                source,
+                error,
+            )
     model = build()
     disk_cache.save_tensors(source, kind, serving_tensors(model))
     return model
@@ -91,8 +109,11 @@ def _served_from_cache(source, config: ModelConfig, dtype: torch.dtype, device: 
 def serving_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
     """Every tensor of a model laid out by `prepare_for_inference`, by name, but the oneDNN-packed copies
     (opaque to anything but oneDNN; `model_over` packs them again)."""
-    return {name: tensor for name, tensor in chain(model.named_parameters(), model.named_buffers())
-            if not name.endswith(".packed_weight")}
+    return {
+        name: tensor
+        for name, tensor in chain(model.named_parameters(), model.named_buffers())
+        if not name.endswith(".packed_weight")
+    }
 
 
 def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: str) -> LlamaModel:
@@ -105,10 +126,17 @@ def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: st
         model.rotary.inv_freq = state.pop("rotary.inv_freq")
         for parent, name, qualified in linear_slots(model):
             child, weight_t = getattr(parent, name), state[f"{qualified}.weight_t"]
-            shape = (config.hidden_size, config.vocab_size) if child is None else (child.in_features, child.out_features)
+            shape = (
+                (config.hidden_size, config.vocab_size)
+                if child is None
+                else (child.in_features, child.out_features)
+            )
             if tuple(weight_t.shape) != shape:
-                raise ValueError(f"{qualified}.weight_t is {tuple(weight_t.shape)}, the model needs {shape}")
-            bias = state.pop(f"{qualified}.bias", None)  # not in state_dict(): a non-persistent buffer
+                raise ValueError(
+                    f"{qualified}.weight_t is {tuple(weight_t.shape)}, the model needs {shape}"
+                )
+            # not in state_dict(): a non-persistent buffer
+            bias = state.pop(f"{qualified}.bias", None)
             setattr(parent, name, TransposedLinear.over(weight_t, bias))
         model.load_state_dict(state, strict=True, assign=True)
     except (KeyError, RuntimeError) as error:
@@ -133,10 +161,20 @@ def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> Loaded
                 param.fill_(1.0)
             else:  # small normal weights keep activations finite through many layers
                 param.copy_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
-    return LoadedModel(config, prepare_for_inference(model.to(dtype).eval(), dtype, device), None, DUMMY_PREFIX + shape)
+    return LoadedModel(
+        config,
+        prepare_for_inference(model.to(dtype).eval(), dtype, device),
+        None,
+        DUMMY_PREFIX + shape,
+    )
 
 
-def build_model(config: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str) -> LlamaModel:
+def build_model(
+    config: ModelConfig,
+    hf_tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: str,
+) -> LlamaModel:
     loaded: dict[str, torch.Tensor] = {}
     rope_freqs = None
     for name, tensor in hf_tensors:
@@ -153,17 +191,24 @@ def build_model(config: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tenso
         if ".self_attn.q_proj." in name:
             kind = name.rsplit(".", 1)[1]  # weight or bias
             prefix = name.split(".self_attn.")[0] + ".self_attn."
-            state[f"{prefix}qkv_proj.{kind}"] = torch.cat([loaded.pop(f"{prefix}{p}_proj.{kind}") for p in "qkv"])
+            state[f"{prefix}qkv_proj.{kind}"] = torch.cat(
+                [loaded.pop(f"{prefix}{p}_proj.{kind}") for p in "qkv"]
+            )
         elif ".mlp.gate_proj." in name:
             prefix = name.split(".mlp.")[0] + ".mlp."
-            state[f"{prefix}gate_up_proj.weight"] = torch.cat([loaded.pop(f"{prefix}gate_proj.weight"), loaded.pop(f"{prefix}up_proj.weight")])
+            state[f"{prefix}gate_up_proj.weight"] = torch.cat(
+                [loaded.pop(f"{prefix}gate_proj.weight"), loaded.pop(f"{prefix}up_proj.weight")]
+            )
     state.update(loaded)  # norms, o_proj, down_proj, embeddings: names already match
     with torch.device("meta"):
         model = LlamaModel(config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
-        raise ValueError(f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    model.rotary.inv_freq = rope_inv_freq(config, rope_freqs).to(device)  # buffers were left on meta
+        raise ValueError(
+            f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    # buffers were left on meta
+    model.rotary.inv_freq = rope_inv_freq(config, rope_freqs).to(device)
     return prepare_for_inference(model.eval(), dtype, device)
 
 

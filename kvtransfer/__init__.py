@@ -22,8 +22,22 @@ from kvtransfer.reservations import ReceiverEvents
 from kvtransfer.wire import WIRE_VERSION, KVGroupHeader
 
 __all__ = [
-    "KVSender", "KVReceiver", "SenderEvents", "ReceiverEvents", "KVGroupHeader", "WIRE_VERSION",
-    "create_sender", "create_receiver", "transport_names",
-    "KVTransferError", "WireFormatError", "WireVersionError", "LayoutMismatchError", "ChecksumError",
-    "UnknownRequestError", "TransferAbortedError", "LeaseExpiredError", "ReservationExpiredError",
+    "KVSender",
+    "KVReceiver",
+    "SenderEvents",
+    "ReceiverEvents",
+    "KVGroupHeader",
+    "WIRE_VERSION",
+    "create_sender",
+    "create_receiver",
+    "transport_names",
+    "KVTransferError",
+    "WireFormatError",
+    "WireVersionError",
+    "LayoutMismatchError",
+    "ChecksumError",
+    "UnknownRequestError",
+    "TransferAbortedError",
+    "LeaseExpiredError",
+    "ReservationExpiredError",
 ]

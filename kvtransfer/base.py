@@ -69,13 +69,16 @@ class KVSender(ABC):
         self.between_header_and_payload: Optional[Callable[[str], None]] = None
 
     @abstractmethod
-    def start(self, request_id: str, block_ids: Sequence[int], destination: Optional[str] = None,
-              lease_s: float = DEFAULT_LEASE_S) -> None:
-        ...
+    def start(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        destination: Optional[str] = None,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None: ...
 
     @abstractmethod
-    def send_layers(self, request_id: str, layers: slice = slice(None)) -> Optional[KVDelivery]:
-        ...
+    def send_layers(self, request_id: str, layers: slice = slice(None)) -> Optional[KVDelivery]: ...
 
     def acknowledge(self, request_id: str) -> None:
         self._drop(self.ledger.release(request_id), aborted=False)
@@ -97,7 +100,9 @@ class KVSender(ABC):
         """Tear down a released request's transport state (close its stream, drop its refs) and, if
         `aborted`, tell the receiver where the transport can."""
 
-    def _export(self, held: HeldRequest, layers: slice) -> tuple[KVGroupHeader, torch.Tensor, torch.Tensor]:
+    def _export(
+        self, held: HeldRequest, layers: slice
+    ) -> tuple[KVGroupHeader, torch.Tensor, torch.Tensor]:
         """Copy a layer group into a staging buffer; returns (header, exported tensor, the buffer to
         release once the payload has been shipped)."""
         start, stop, step = layers.indices(self.layout.num_layers)
@@ -105,13 +110,24 @@ class KVSender(ABC):
             raise ValueError(f"layers must be a non-empty contiguous range, got {layers}")
         sent = set(range(start, stop))
         if sent & held.layers_sent:
-            raise ValueError(f"layers [{start}, {stop}) of request {held.request_id!r} were already sent")
+            raise ValueError(
+                f"layers [{start}, {stop}) of request {held.request_id!r} were already sent"
+            )
         held.layers_sent |= sent
         num_bytes = group_payload_bytes(self.layout, stop - start, len(held.block_ids))
         buffer = self._staging.acquire(num_bytes)
         data = self.cache.export_blocks(held.block_ids, slice(start, stop), out=buffer)
-        header = KVGroupHeader(held.request_id, self.sender_id, self.epoch, self.layout, start, stop,
-                               len(held.block_ids), num_bytes, self._checksum(data))
+        header = KVGroupHeader(
+            held.request_id,
+            self.sender_id,
+            self.epoch,
+            self.layout,
+            start,
+            stop,
+            len(held.block_ids),
+            num_bytes,
+            self._checksum(data),
+        )
         return header, data, buffer
 
     def _checksum(self, data: torch.Tensor) -> int:
@@ -137,7 +153,9 @@ class KVReceiver(Reservations, ABC):
     def deliver(self, delivery: KVDelivery) -> bool:
         raise NotImplementedError(f"{type(self).__name__} receives in-band; nothing to deliver")
 
-    def _install_routed(self, encoded_header: bytes, receive: Callable[[KVGroupHeader], bool]) -> bool:
+    def _install_routed(
+        self, encoded_header: bytes, receive: Callable[[KVGroupHeader], bool]
+    ) -> bool:
         """A routed delivery (ray, rdt): its header decoded and checked, then `receive(header)` fetches
         and installs the payload; True once the request has all its layers. On any `KVTransferError`
         the request fails (its blocks freed at the next `poll`) and the error is raised."""
@@ -156,4 +174,11 @@ class KVReceiver(Reservations, ABC):
         self.cancel_all()
 
 
-__all__ = ["KVSender", "KVReceiver", "KVDelivery", "SenderEvents", "ReceiverEvents", "KVTransferError"]
+__all__ = [
+    "KVSender",
+    "KVReceiver",
+    "KVDelivery",
+    "SenderEvents",
+    "ReceiverEvents",
+    "KVTransferError",
+]

@@ -18,16 +18,25 @@ class BufferPool:
     made, growing only when no free one is large enough. Thread-safe.
     """
 
-    def __init__(self, initial_bytes: int = 0, count: int = 1, device: str | torch.device = "cpu",
-                 pin_memory: bool = False):
+    def __init__(
+        self,
+        initial_bytes: int = 0,
+        count: int = 1,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+    ):
         """`pin_memory`: page-locked host buffers, for staging the KV of a CUDA cache (fast, asynchronous copies)."""
         self._lock = threading.Lock()
         self.device = torch.device(device)
         self.pin_memory = pin_memory
-        self._free: list[torch.Tensor] = [self._new(initial_bytes) for _ in range(count) if initial_bytes > 0]
+        self._free: list[torch.Tensor] = [
+            self._new(initial_bytes) for _ in range(count) if initial_bytes > 0
+        ]
 
     def _new(self, num_bytes: int) -> torch.Tensor:
-        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+        buffer = torch.empty(
+            num_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory
+        )
         buffer.fill_(0)  # touch every page now, not during a transfer
         return buffer
 

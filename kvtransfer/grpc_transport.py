@@ -43,8 +43,11 @@ _STATUS_BY_ERROR = [  # most specific first
     (errors.TransferAbortedError, grpc.StatusCode.ABORTED),
     (errors.KVTransferError, grpc.StatusCode.FAILED_PRECONDITION),
 ]
-_ERRORS_BY_NAME = {cls.__name__: cls for cls in vars(errors).values()
-                   if isinstance(cls, type) and issubclass(cls, errors.KVTransferError)}
+_ERRORS_BY_NAME = {
+    cls.__name__: cls
+    for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, errors.KVTransferError)
+}
 
 
 def _status_for(error: errors.KVTransferError) -> grpc.StatusCode:
@@ -59,9 +62,12 @@ def _error_from_rpc(error: grpc.RpcError, request_id: str) -> errors.KVTransferE
     if cls is not None:
         return cls(message, request_id)
     if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return errors.LeaseExpiredError(f"KV stream of request {request_id!r} ran past its lease", request_id)
-    return errors.TransferAbortedError(f"KV stream of request {request_id!r} failed: {error.code().name} {details}",
-                                       request_id)
+        return errors.LeaseExpiredError(
+            f"KV stream of request {request_id!r} ran past its lease", request_id
+        )
+    return errors.TransferAbortedError(
+        f"KV stream of request {request_id!r} failed: {error.code().name} {details}", request_id
+    )
 
 
 @dataclass
@@ -73,7 +79,9 @@ class _OutgoingStream:
 
 
 class GrpcKVSender(KVSender):
-    def __init__(self, cache, allocator, sender_id: str, epoch: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(
+        self, cache, allocator, sender_id: str, epoch: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ):
         super().__init__(cache, allocator, sender_id, epoch)
         if not 1 << 16 <= chunk_bytes <= 8 << 20:
             raise ValueError(f"chunk_bytes must be in [64 KiB, 8 MiB], got {chunk_bytes}")
@@ -84,18 +92,29 @@ class GrpcKVSender(KVSender):
     def _channel(self, destination: str) -> grpc.Channel:
         channel = self._channels.get(destination)
         if channel is None:
-            channel = grpc.insecure_channel(destination, options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)])
+            channel = grpc.insecure_channel(
+                destination, options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)]
+            )
             self._channels[destination] = channel
         return channel  # methods use identity (de)serializers: every frame is bytes
 
-    def start(self, request_id: str, block_ids: Sequence[int], destination: Optional[str] = None,
-              lease_s: float = DEFAULT_LEASE_S) -> None:
+    def start(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        destination: Optional[str] = None,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
         if not destination:
             raise ValueError("the grpc transport needs the receiver's host:port as destination")
         held = self.ledger.hold(request_id, list(block_ids), lease_s)
         stream = _OutgoingStream(request_id, destination, queue.Queue())
         held.transport_state = stream
-        stream.call = self._channel(destination).stream_unary(PUSH_METHOD).future(self._frames(stream), timeout=lease_s)
+        stream.call = (
+            self._channel(destination)
+            .stream_unary(PUSH_METHOD)
+            .future(self._frames(stream), timeout=lease_s)
+        )
         stream.call.add_done_callback(lambda call: self._on_done(request_id, call))
 
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> None:
@@ -121,13 +140,15 @@ class GrpcKVSender(KVSender):
                     self.between_header_and_payload(stream.request_id)
                 view = memoryview(as_bytes_view(data))
                 for offset in range(0, len(view), self.chunk_bytes):
-                    yield bytes(view[offset:offset + self.chunk_bytes])
+                    yield bytes(view[offset : offset + self.chunk_bytes])
             finally:
                 self._staging.release(buffer)
 
     def _on_done(self, request_id: str, call: grpc.Future) -> None:
         if call.cancelled():
-            error = errors.TransferAbortedError(f"KV stream of request {request_id!r} cancelled", request_id)
+            error = errors.TransferAbortedError(
+                f"KV stream of request {request_id!r} cancelled", request_id
+            )
         elif call.exception() is not None:
             error = _error_from_rpc(call.exception(), request_id)
         else:
@@ -139,10 +160,20 @@ class GrpcKVSender(KVSender):
         if not isinstance(stream, _OutgoingStream):
             return
         if aborted:  # explicit, so the receiver learns even if the stream never reached it
-            notice = msgpack.packb({"version": WIRE_VERSION, "request_id": held.request_id,
-                                    "sender_id": self.sender_id, "sender_epoch": self.epoch})
+            notice = msgpack.packb(
+                {
+                    "version": WIRE_VERSION,
+                    "request_id": held.request_id,
+                    "sender_id": self.sender_id,
+                    "sender_epoch": self.epoch,
+                }
+            )
             try:  # held until done: gRPC cancels a call whose future is garbage-collected
-                notice_call = self._channel(stream.destination).unary_unary(ABORT_METHOD).future(notice, timeout=5.0)
+                notice_call = (
+                    self._channel(stream.destination)
+                    .unary_unary(ABORT_METHOD)
+                    .future(notice, timeout=5.0)
+                )
                 self._abort_calls.add(notice_call)
                 notice_call.add_done_callback(self._abort_calls.discard)
             except ValueError as error:  # channel already closed: the reservation expires instead
@@ -161,17 +192,32 @@ class GrpcKVSender(KVSender):
 class GrpcKVReceiver(KVReceiver):
     """Serves `Push` on host:port (port 0 picks a free one; `address` reports it) until `close`."""
 
-    def __init__(self, cache, allocator, host: str = "127.0.0.1", port: int = 0,
-                 receive_buffer_bytes: int = 0, max_streams: int = 4):
+    def __init__(
+        self,
+        cache,
+        allocator,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        receive_buffer_bytes: int = 0,
+        max_streams: int = 4,
+    ):
         super().__init__(cache, allocator)
-        self._buffers = BufferPool(receive_buffer_bytes, count=1, pin_memory=cache.kv.device.type == "cuda")
+        self._buffers = BufferPool(
+            receive_buffer_bytes, count=1, pin_memory=cache.kv.device.type == "cuda"
+        )
         self._contexts: dict[str, grpc.ServicerContext] = {}
         self._contexts_lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_streams, thread_name_prefix="kv-recv"),
-                                   options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
-        handlers = {"Push": grpc.stream_unary_rpc_method_handler(self._serve_push),
-                    "Abort": grpc.unary_unary_rpc_method_handler(self._serve_abort)}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_streams, thread_name_prefix="kv-recv"),
+            options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)],
+        )
+        handlers = {
+            "Push": grpc.stream_unary_rpc_method_handler(self._serve_push),
+            "Abort": grpc.unary_unary_rpc_method_handler(self._serve_abort),
+        }
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        )
         self._port = self._server.add_insecure_port(host_port(host, port))
         if self._port == 0:
             raise OSError(f"KV receiver could not bind {host}:{port}")
@@ -196,16 +242,29 @@ class GrpcKVReceiver(KVReceiver):
 
     def _serve_abort(self, notice: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            fields = msgpack.unpackb(notice, raw=False, strict_map_key=True) if len(notice) < 4096 else None
+            fields = (
+                msgpack.unpackb(notice, raw=False, strict_map_key=True)
+                if len(notice) < 4096
+                else None
+            )
         except Exception:
             fields = None
-        if not isinstance(fields, dict) or fields.get("version") != WIRE_VERSION or \
-                not isinstance(fields.get("request_id"), str):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WireFormatError: malformed KV abort notice")
+        if (
+            not isinstance(fields, dict)
+            or fields.get("version") != WIRE_VERSION
+            or not isinstance(fields.get("request_id"), str)
+        ):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "WireFormatError: malformed KV abort notice"
+            )
         request_id = fields["request_id"]
-        self.fail(request_id, errors.TransferAbortedError(
-            f"request {request_id!r} aborted by sender {fields.get('sender_id')!r}", request_id),
-            sender=(fields.get("sender_id"), fields.get("sender_epoch")))
+        self.fail(
+            request_id,
+            errors.TransferAbortedError(
+                f"request {request_id!r} aborted by sender {fields.get('sender_id')!r}", request_id
+            ),
+            sender=(fields.get("sender_id"), fields.get("sender_epoch")),
+        )
         return b""
 
     def _serve_push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
@@ -220,19 +279,24 @@ class GrpcKVReceiver(KVReceiver):
                     with self._contexts_lock:
                         self._contexts[request_id] = context
                 elif header.request_id != request_id:
-                    raise errors.WireFormatError(f"stream of request {request_id!r} carried {header.request_id!r}")
+                    raise errors.WireFormatError(
+                        f"stream of request {request_id!r} carried {header.request_id!r}"
+                    )
                 self.check(header)
                 ready = self._receive_group(frames, header)
                 groups += 1
             if not ready:
                 raise errors.TransferAbortedError(
                     f"KV stream of request {request_id!r} ended after {groups} layer groups, before all layers",
-                    request_id)
+                    request_id,
+                )
         except errors.KVTransferError as error:
             failure = error
         except Exception as error:  # the stream broke: sender cancelled, died or timed out
             failure = errors.TransferAbortedError(
-                f"KV stream of request {request_id!r} broke mid-transfer: {type(error).__name__} {error}", request_id)
+                f"KV stream of request {request_id!r} broke mid-transfer: {type(error).__name__} {error}",
+                request_id,
+            )
         finally:
             if request_id is not None:
                 with self._contexts_lock:
@@ -255,12 +319,16 @@ class GrpcKVReceiver(KVReceiver):
                 if chunk is None:
                     raise errors.TransferAbortedError(
                         f"KV stream of request {header.request_id!r} ended mid-group "
-                        f"({received}/{header.payload_bytes} bytes)", header.request_id)
+                        f"({received}/{header.payload_bytes} bytes)",
+                        header.request_id,
+                    )
                 end = received + len(chunk)
                 if end > header.payload_bytes:
                     raise errors.WireFormatError(
                         f"KV payload of request {header.request_id!r} longer than its header's "
-                        f"{header.payload_bytes} bytes", header.request_id)
+                        f"{header.payload_bytes} bytes",
+                        header.request_id,
+                    )
                 target[received:end] = np.frombuffer(chunk, dtype=np.uint8)
                 received = end
             return self.install(header, target)

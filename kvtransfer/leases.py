@@ -24,7 +24,8 @@ class HeldRequest:
     block_ids: list[int]
     lease_deadline_s: float
     layers_sent: set[int] = field(default_factory=set)
-    transport_state: Any = None  # ObjectRefs (ray) or the open stream (grpc); dropped with the blocks
+    # ObjectRefs (ray) or the open stream (grpc); dropped with the blocks
+    transport_state: Any = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,9 @@ class SenderLedger:
     def get(self, request_id: str) -> HeldRequest:
         held = self._held.get(request_id)
         if held is None:
-            raise KeyError(f"request {request_id!r} is not being sent (finished, aborted or expired?)")
+            raise KeyError(
+                f"request {request_id!r} is not being sent (finished, aborted or expired?)"
+            )
         return held
 
     def release(self, request_id: str) -> Optional[HeldRequest]:
@@ -85,9 +88,16 @@ class SenderLedger:
         expired = [held for held in self._held.values() if now >= held.lease_deadline_s]
         for held in expired:
             self.release(held.request_id)
-            failed.append((held.request_id, LeaseExpiredError(
-                f"no acknowledgement for request {held.request_id!r} before its lease expired; "
-                f"{len(held.block_ids)} blocks freed", held.request_id)))
+            failed.append(
+                (
+                    held.request_id,
+                    LeaseExpiredError(
+                        f"no acknowledgement for request {held.request_id!r} before its lease expired; "
+                        f"{len(held.block_ids)} blocks freed",
+                        held.request_id,
+                    ),
+                )
+            )
         return acknowledged, failed, expired
 
     def request_ids(self) -> list[str]:

@@ -30,8 +30,13 @@ class RayKVDelivery:
 
 
 class RayKVSender(KVSender):
-    def start(self, request_id: str, block_ids: Sequence[int], destination: Optional[str] = None,
-              lease_s: float = DEFAULT_LEASE_S) -> None:
+    def start(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        destination: Optional[str] = None,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
         self.ledger.hold(request_id, list(block_ids), lease_s).transport_state = []
 
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> RayKVDelivery:
@@ -53,7 +58,9 @@ class RayKVReceiver(KVReceiver):
     def deliver(self, delivery: RayKVDelivery) -> bool:
         """Install one routed layer group; True once the request has all its layers. Raises a
         `KVTransferError` (and fails the request, freed at the next `poll`) on any problem."""
-        return self._install_routed(delivery.header, lambda header: self.install(header, self._fetch(delivery, header)))
+        return self._install_routed(
+            delivery.header, lambda header: self.install(header, self._fetch(delivery, header))
+        )
 
     def _fetch(self, delivery: RayKVDelivery, header: KVGroupHeader):
         try:
@@ -61,4 +68,6 @@ class RayKVReceiver(KVReceiver):
         except (ray.exceptions.RayError, TimeoutError) as error:
             raise TransferAbortedError(
                 f"KV payload of request {header.request_id!r} is unreachable (sender gone?): "
-                f"{type(error).__name__}", header.request_id) from error
+                f"{type(error).__name__}",
+                header.request_id,
+            ) from error

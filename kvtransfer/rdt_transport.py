@@ -64,7 +64,8 @@ from kvtransfer.wire import KVGroupHeader, as_bytes_view, checksum
 
 CONCURRENCY_GROUP = "pdserve_kv"
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # by the KV cache's device
-_DEVICE_CHECKSUM_CHUNK_WORDS = 1 << 24  # bounds the int64 temporaries of `device_checksum` (128 MiB each)
+# bounds the int64 temporaries of `device_checksum` (128 MiB each)
+_DEVICE_CHECKSUM_CHUNK_WORDS = 1 << 24
 
 
 def actor_class_options() -> dict:
@@ -73,13 +74,16 @@ def actor_class_options() -> dict:
     return {"enable_tensor_transport": True, "concurrency_groups": {CONCURRENCY_GROUP: 1}}
 
 
-def form_group(senders: Sequence, receivers: Sequence, backend: str = "gloo", name: Optional[str] = None) -> str:
+def form_group(
+    senders: Sequence, receivers: Sequence, backend: str = "gloo", name: Optional[str] = None
+) -> str:
     """Once, before any handoff: one collective group over every sender and receiver actor, registered in
     each receiver's process, where transfers are submitted. Blocks until every member joined."""
     from ray.experimental.collective import create_collective_group
 
-    group = create_collective_group([*senders, *receivers], backend=backend,
-                                    name=name or f"pdserve-kv-{uuid.uuid4().hex[:12]}")
+    group = create_collective_group(
+        [*senders, *receivers], backend=backend, name=name or f"pdserve-kv-{uuid.uuid4().hex[:12]}"
+    )
     ray.get([receiver.__ray_call__.remote(_register_group, group) for receiver in receivers])
     return group.name
 
@@ -96,14 +100,20 @@ def device_checksum(payload: torch.Tensor) -> int:
     words = payload.view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=payload.device)
     for start in range(0, words.numel(), _DEVICE_CHECKSUM_CHUNK_WORDS):
-        chunk = words[start:start + _DEVICE_CHECKSUM_CHUNK_WORDS].to(torch.int64)
-        weights = torch.arange(2 * start + 1, 2 * (start + chunk.numel()), 2, dtype=torch.int64, device=payload.device)
+        chunk = words[start : start + _DEVICE_CHECKSUM_CHUNK_WORDS].to(torch.int64)
+        weights = torch.arange(
+            2 * start + 1, 2 * (start + chunk.numel()), 2, dtype=torch.int64, device=payload.device
+        )
         total += (chunk * weights).sum()
     return int(total) % (1 << 64)
 
 
 def _checksum(payload: torch.Tensor) -> int:
-    return checksum(as_bytes_view(payload)) if payload.device.type == "cpu" else device_checksum(payload)
+    return (
+        checksum(as_bytes_view(payload))
+        if payload.device.type == "cpu"
+        else device_checksum(payload)
+    )
 
 
 # RDT tasks run on an actor as closures (`__ray_call__`), which receive the actor instance, not our
@@ -114,7 +124,9 @@ _LOCAL_ENDS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictiona
 def _local_end(key: str, request_id: str):
     end = _LOCAL_ENDS.get(key)
     if end is None:
-        raise TransferAbortedError(f"rdt transport end {key!r} is gone from its worker (closed?)", request_id)
+        raise TransferAbortedError(
+            f"rdt transport end {key!r} is gone from its worker (closed?)", request_id
+        )
     return end
 
 
@@ -151,13 +163,20 @@ class RdtKVSender(KVSender):
         self._staging = BufferPool(device=cache.kv.device)
         self.key = f"rdt-sender-{uuid.uuid4().hex}"
         self._staged_lock = threading.Lock()  # the owner's thread stages, pull tasks take
-        self._staged: dict[tuple[str, int], torch.Tensor] = {}  # (request id, layer start) -> payload
+        # (request id, layer start) -> payload
+        self._staged: dict[tuple[str, int], torch.Tensor] = {}
         self._actor = None
         _LOCAL_ENDS[self.key] = self
 
-    def start(self, request_id: str, block_ids: Sequence[int], destination: Optional[str] = None,
-              lease_s: float = DEFAULT_LEASE_S) -> None:
-        self.ledger.hold(request_id, list(block_ids), lease_s).transport_state = []  # its staging buffers
+    def start(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        destination: Optional[str] = None,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
+        # its staging buffers
+        self.ledger.hold(request_id, list(block_ids), lease_s).transport_state = []
 
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> RdtKVDelivery:
         held = self.ledger.get(request_id)
@@ -179,7 +198,9 @@ class RdtKVSender(KVSender):
         if payload is None:
             raise TransferAbortedError(
                 f"KV of request {request_id!r}, layers from {layer_start}, is not staged on this sender "
-                f"(acknowledged, aborted, lease expired, or already pulled)", request_id)
+                f"(acknowledged, aborted, lease expired, or already pulled)",
+                request_id,
+            )
         return payload
 
     def _drop(self, held: Optional[HeldRequest], aborted: bool) -> None:
@@ -188,7 +209,8 @@ class RdtKVSender(KVSender):
         with self._staged_lock:
             for key in [key for key in self._staged if key[0] == held.request_id]:
                 del self._staged[key]
-        for buffer in held.transport_state:  # a pull still reading one after an abort fails its checksum
+        # a pull still reading one after an abort fails its checksum
+        for buffer in held.transport_state:
             self._staging.release(buffer)
         held.transport_state = []
 
@@ -198,12 +220,19 @@ class RdtKVSender(KVSender):
 
 
 class RdtKVReceiver(KVReceiver):
-    def __init__(self, cache, allocator, backend: Optional[str] = None, get_timeout_s: float = DEFAULT_LEASE_S):
+    def __init__(
+        self,
+        cache,
+        allocator,
+        backend: Optional[str] = None,
+        get_timeout_s: float = DEFAULT_LEASE_S,
+    ):
         super().__init__(cache, allocator)
         self.backend = backend or BACKENDS[cache.kv.device.type]
         self.get_timeout_s = get_timeout_s
         self.key = f"rdt-receiver-{uuid.uuid4().hex}"
-        self._one_transfer = threading.Lock()  # see the module docstring: no cycle of waiting transfers
+        # see the module docstring: no cycle of waiting transfers
+        self._one_transfer = threading.Lock()
         _LOCAL_ENDS[self.key] = self
 
     def deliver(self, delivery: RdtKVDelivery) -> bool:
@@ -215,10 +244,11 @@ class RdtKVReceiver(KVReceiver):
         me = _current_actor()
         with self._one_transfer:
             payload = delivery.sender.__ray_call__.options(
-                tensor_transport=self.backend, concurrency_group=CONCURRENCY_GROUP).remote(
-                _staged_payload, delivery.sender_key, header.request_id, header.layer_start)
+                tensor_transport=self.backend, concurrency_group=CONCURRENCY_GROUP
+            ).remote(_staged_payload, delivery.sender_key, header.request_id, header.layer_start)
             installed = me.__ray_call__.options(concurrency_group=CONCURRENCY_GROUP).remote(
-                _install_payload, self.key, delivery.header, payload)
+                _install_payload, self.key, delivery.header, payload
+            )
             del payload  # the install task holds the ref; the sender's copy is dropped once it ran
             try:
                 return ray.get(installed, timeout=self.get_timeout_s)
@@ -233,14 +263,22 @@ class RdtKVReceiver(KVReceiver):
     def _unreachable(header: KVGroupHeader, error: Exception) -> TransferAbortedError:
         return TransferAbortedError(
             f"KV payload of request {header.request_id!r}, layers [{header.layer_start}, {header.layer_stop}), "
-            f"did not arrive (sender gone?): {type(error).__name__}: {error}", header.request_id)
+            f"did not arrive (sender gone?): {type(error).__name__}: {error}",
+            header.request_id,
+        )
 
     def install_payload(self, header: KVGroupHeader, payload: torch.Tensor) -> bool:
         """In the install task: check and write one received group (see `Reservations.install`)."""
-        if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != header.payload_bytes:
+        if (
+            payload.dtype != torch.uint8
+            or payload.dim() != 1
+            or payload.numel() != header.payload_bytes
+        ):
             raise WireFormatError(
                 f"KV payload of request {header.request_id!r}: {payload.dtype} {tuple(payload.shape)} received, "
-                f"{header.payload_bytes} bytes (uint8) expected", header.request_id)
+                f"{header.payload_bytes} bytes (uint8) expected",
+                header.request_id,
+            )
         if payload.device.type == "cpu":
             return self.install(header, as_bytes_view(payload))
         return self.install(header, payload, payload_checksum=device_checksum(payload))

@@ -34,7 +34,8 @@ from kvtransfer.wire import KVGroupHeader, checksum, payload_as_kv
 @dataclass
 class _Reservation:
     request_id: str
-    block_ids: list[int]  # every block of the prompt: `num_reused` cached ones, then those being sent
+    # every block of the prompt: `num_reused` cached ones, then those being sent
+    block_ids: list[int]
     num_reused: int
     deadline_s: float
     layers_arrived: list[bool]
@@ -56,7 +57,12 @@ class ReceiverEvents:
 class Reservations:
     """Every reservation of one receiver (the decode side's `KVReceiver` is one)."""
 
-    def __init__(self, cache: PagedKVCache, allocator: BlockAllocator, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        allocator: BlockAllocator,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.cache = cache
         self.allocator = allocator
         self.clock = clock
@@ -71,7 +77,9 @@ class Reservations:
         self._check_new(request_id)
         return self._add(request_id, self.allocator.allocate(num_blocks), 0, timeout_s)
 
-    def reserve_prompt(self, request_id: str, prompt_ids: Sequence[int], timeout_s: float) -> tuple[list[int], int]:
+    def reserve_prompt(
+        self, request_id: str, prompt_ids: Sequence[int], timeout_s: float
+    ) -> tuple[list[int], int]:
         """Blocks for a prompt's KV, reusing the cached blocks of its prefix; returns (all its block ids,
         how many leading ones are reused: the sender skips those)."""
         self._check_new(request_id)
@@ -84,9 +92,16 @@ class Reservations:
             if request_id in self._by_request:
                 raise ValueError(f"request {request_id!r} already holds a KV reservation")
 
-    def _add(self, request_id: str, block_ids: list[int], num_reused: int, timeout_s: float) -> list[int]:
-        reservation = _Reservation(request_id, block_ids, num_reused, self.clock() + timeout_s,
-                                   [False] * self.cache.layout.num_layers)
+    def _add(
+        self, request_id: str, block_ids: list[int], num_reused: int, timeout_s: float
+    ) -> list[int]:
+        reservation = _Reservation(
+            request_id,
+            block_ids,
+            num_reused,
+            self.clock() + timeout_s,
+            [False] * self.cache.layout.num_layers,
+        )
         with self._lock:
             self._by_request[request_id] = reservation
         return list(block_ids)
@@ -109,7 +124,9 @@ class Reservations:
             reservation = self._by_request.get(request_id)
         if reservation is None:
             raise UnknownRequestError(
-                f"no KV reservation for request {request_id!r} (never reserved, expired or aborted)", request_id)
+                f"no KV reservation for request {request_id!r} (never reserved, expired or aborted)",
+                request_id,
+            )
         return reservation
 
     def check(self, header: KVGroupHeader) -> None:
@@ -125,47 +142,69 @@ class Reservations:
         if reservation.error is not None:
             raise reservation.error
         if reservation.ready:
-            raise WireFormatError(f"request {header.request_id!r} already received all its KV", header.request_id)
+            raise WireFormatError(
+                f"request {header.request_id!r} already received all its KV", header.request_id
+            )
         if self.clock() >= reservation.deadline_s:
             raise ReservationExpiredError(
-                f"KV reservation for request {header.request_id!r} expired", header.request_id)
+                f"KV reservation for request {header.request_id!r} expired", header.request_id
+            )
         sender = (header.sender_id, header.sender_epoch)
         if reservation.sender is not None and reservation.sender != sender:
             raise TransferAbortedError(
                 f"request {header.request_id!r} is bound to sender {reservation.sender}, not {sender}",
-                header.request_id)
+                header.request_id,
+            )
         if header.num_blocks != len(reservation.block_ids) - reservation.num_reused:
             raise WireFormatError(
                 f"request {header.request_id!r}: {header.num_blocks} blocks sent, "
-                f"{len(reservation.block_ids) - reservation.num_reused} expected", header.request_id)
-        if any(reservation.layers_arrived[header.layer_start:header.layer_stop]):
+                f"{len(reservation.block_ids) - reservation.num_reused} expected",
+                header.request_id,
+            )
+        if any(reservation.layers_arrived[header.layer_start : header.layer_stop]):
             raise WireFormatError(
                 f"request {header.request_id!r}: layers [{header.layer_start}, {header.layer_stop}) "
-                f"overlap layers already installed", header.request_id)
+                f"overlap layers already installed",
+                header.request_id,
+            )
 
-    def install(self, header: KVGroupHeader, payload: Any, payload_checksum: Optional[int] = None) -> bool:
+    def install(
+        self, header: KVGroupHeader, payload: Any, payload_checksum: Optional[int] = None
+    ) -> bool:
         """Any thread: verify one layer group and write it into the reserved blocks; True once the
         request has all its layers. On a checksum mismatch nothing is written and the request fails.
         `payload_checksum` is the checksum a transport already computed while receiving, if any."""
         reservation = self._get(header.request_id)
-        actual = checksum(memoryview(payload)[: header.payload_bytes]) if payload_checksum is None else payload_checksum
+        actual = (
+            checksum(memoryview(payload)[: header.payload_bytes])
+            if payload_checksum is None
+            else payload_checksum
+        )
         with reservation.lock:
             self._check_locked(reservation, header)
             if actual != header.checksum:
                 reservation.error = ChecksumError(
                     f"KV payload of request {header.request_id!r}, layers [{header.layer_start}, "
                     f"{header.layer_stop}): checksum {actual:#018x} != header {header.checksum:#018x}; "
-                    f"nothing installed", header.request_id)
+                    f"nothing installed",
+                    header.request_id,
+                )
                 raise reservation.error
             reservation.sender = (header.sender_id, header.sender_epoch)
-            self.cache.import_blocks(reservation.block_ids[reservation.num_reused:], payload_as_kv(payload, header),
-                                     header.layers)
-            reservation.layers_arrived[header.layer_start:header.layer_stop] = [True] * (
-                header.layer_stop - header.layer_start)
+            self.cache.import_blocks(
+                reservation.block_ids[reservation.num_reused :],
+                payload_as_kv(payload, header),
+                header.layers,
+            )
+            reservation.layers_arrived[header.layer_start : header.layer_stop] = [True] * (
+                header.layer_stop - header.layer_start
+            )
             reservation.ready = all(reservation.layers_arrived)
             return reservation.ready
 
-    def fail(self, request_id: str, error: KVTransferError, sender: Optional[tuple[str, int]] = None) -> None:
+    def fail(
+        self, request_id: str, error: KVTransferError, sender: Optional[tuple[str, int]] = None
+    ) -> None:
         """Any thread: mark a request failed (its blocks are freed at the next `poll`). With `sender`,
         only if the reservation is not bound to another sender (a stale epoch cannot abort it)."""
         with self._lock:
@@ -184,7 +223,8 @@ class Reservations:
             return False
         with reservation.lock:  # waits out an install in progress; later ones find no reservation
             reservation.error = reservation.error or TransferAbortedError(
-                f"request {request_id!r} aborted by the receiver", request_id)
+                f"request {request_id!r} aborted by the receiver", request_id
+            )
             self.allocator.free(reservation.block_ids)
         return True
 
@@ -204,7 +244,8 @@ class Reservations:
                     reservation.error = ReservationExpiredError(
                         f"KV for request {reservation.request_id!r} did not arrive in time "
                         f"({arrived}/{len(reservation.layers_arrived)} layers); reservation freed",
-                        reservation.request_id)
+                        reservation.request_id,
+                    )
                 if reservation.error is not None:
                     self.allocator.free(reservation.block_ids)
                     failed.append((reservation.request_id, reservation.error))

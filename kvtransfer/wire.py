@@ -84,7 +84,9 @@ class KVGroupHeader:
         try:
             fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
         except Exception as error:  # msgpack raises several unrelated types for garbage input
-            raise WireFormatError(f"KV header is not valid msgpack ({len(data)} bytes): {error}") from None
+            raise WireFormatError(
+                f"KV header is not valid msgpack ({len(data)} bytes): {error}"
+            ) from None
         if not isinstance(fields, dict):
             raise WireFormatError(f"KV header must be a msgpack map, got {type(fields).__name__}")
         request_id = fields.get("request_id") if isinstance(fields.get("request_id"), str) else None
@@ -130,8 +132,12 @@ class KVGroupHeader:
                 self.request_id,
             )
         if self.num_blocks < 1:
-            raise WireFormatError(f"num_blocks must be >= 1, got {self.num_blocks}", self.request_id)
-        expected = group_payload_bytes(self.layout, self.layer_stop - self.layer_start, self.num_blocks)
+            raise WireFormatError(
+                f"num_blocks must be >= 1, got {self.num_blocks}", self.request_id
+            )
+        expected = group_payload_bytes(
+            self.layout, self.layer_stop - self.layer_start, self.num_blocks
+        )
         if self.payload_bytes != expected:
             raise WireFormatError(
                 f"payload_bytes {self.payload_bytes} != {expected} for {self.layer_stop - self.layer_start} "
@@ -146,7 +152,12 @@ def _layout(values: Any) -> KVLayout:
     tensor shapes."""
     if not isinstance(values, list) or len(values) != len(_LAYOUT_FIELDS):
         raise TypeError(f"field 'layout' must be a list of {len(_LAYOUT_FIELDS)} values")
-    return KVLayout(*(_of_type(value, f"layout.{name}", kind) for value, name, kind in zip(values, _LAYOUT_FIELDS, _LAYOUT_TYPES)))
+    return KVLayout(
+        *(
+            _of_type(value, f"layout.{name}", kind)
+            for value, name, kind in zip(values, _LAYOUT_FIELDS, _LAYOUT_TYPES)
+        )
+    )
 
 
 def _typed(fields: dict, name: str, kind: type) -> Any:
@@ -155,7 +166,9 @@ def _typed(fields: dict, name: str, kind: type) -> Any:
 
 def _of_type(value: Any, name: str, kind: type) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise TypeError(f"field {name!r} must be {kind.__name__}, got {type(value).__name__} {value!r:.40}")
+        raise TypeError(
+            f"field {name!r} must be {kind.__name__}, got {type(value).__name__} {value!r:.40}"
+        )
     return value
 
 
@@ -177,9 +190,16 @@ def payload_as_kv(payload: Any, header: KVGroupHeader) -> torch.Tensor:
     else:
         flat = np.frombuffer(payload, dtype=np.uint8, count=header.payload_bytes)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we never write into it
+            # "non-writable array": we never write into it
+            warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(flat)
     layout = header.layout
-    shape = (header.layer_stop - header.layer_start, 2, header.num_blocks, layout.block_size_tokens,
-             layout.num_kv_heads, layout.head_dim)
+    shape = (
+        header.layer_stop - header.layer_start,
+        2,
+        header.num_blocks,
+        layout.block_size_tokens,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
     return data.view(layout.torch_dtype).view(shape)

@@ -38,14 +38,30 @@ class StreamClock:
         self._last_s = now
         self.tokens_seen += num_tokens
 
-    def record(self, output_len: int, prompt_len: Optional[int] = None, error: str = "", kv_bytes: Optional[int] = None,
-               cached_prompt_tokens: Optional[int] = None, reply_text: str = "") -> RequestRecord:
+    def record(
+        self,
+        output_len: int,
+        prompt_len: Optional[int] = None,
+        error: str = "",
+        kv_bytes: Optional[int] = None,
+        cached_prompt_tokens: Optional[int] = None,
+        reply_text: str = "",
+    ) -> RequestRecord:
         if not error and self.ttft_s is None:
             error = "the stream ended without output"
-        return RequestRecord(success=not error, prompt_len=prompt_len or self.prompt.prompt_len, output_len=output_len,
-                             ttft_s=self.ttft_s, itls_s=self.itls_s, e2el_s=time.perf_counter() - self.start_s,
-                             start_s=self.start_s - self.run_start_s, error=error, kv_bytes=kv_bytes,
-                             cached_prompt_tokens=cached_prompt_tokens, reply_text=reply_text)
+        return RequestRecord(
+            success=not error,
+            prompt_len=prompt_len or self.prompt.prompt_len,
+            output_len=output_len,
+            ttft_s=self.ttft_s,
+            itls_s=self.itls_s,
+            e2el_s=time.perf_counter() - self.start_s,
+            start_s=self.start_s - self.run_start_s,
+            error=error,
+            kv_bytes=kv_bytes,
+            cached_prompt_tokens=cached_prompt_tokens,
+            reply_text=reply_text,
+        )
 
 
 class GrpcBackend:
@@ -61,7 +77,9 @@ class GrpcBackend:
         target = f"{config.host}:{config.resolved_port}"
         if config.tls_ca:
             with open(config.tls_ca, "rb") as certificate:
-                self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(certificate.read()))
+                self.channel = grpc.aio.secure_channel(
+                    target, grpc.ssl_channel_credentials(certificate.read())
+                )
         else:
             self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
@@ -80,10 +98,16 @@ class GrpcBackend:
 
         sampling = pb.SamplingParams(max_tokens=prompt.output_len, temperature=0, ignore_eos=True)
         if prompt.messages:
-            chat = pb.ChatMessages(messages=[pb.ChatMessage(role=role, content=content) for role, content in prompt.messages])
+            chat = pb.ChatMessages(
+                messages=[
+                    pb.ChatMessage(role=role, content=content) for role, content in prompt.messages
+                ]
+            )
             request = pb.GenerateRequest(chat=chat, sampling=sampling)
         else:
-            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt.token_ids), sampling=sampling)
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt.token_ids), sampling=sampling
+            )
         final, texts = None, []
         try:
             async for response in self.stub.Generate(request, metadata=self.metadata):
@@ -95,11 +119,19 @@ class GrpcBackend:
         except grpc.aio.AioRpcError as error:
             return clock.record(clock.tokens_seen, error=f"{error.code().name}: {error.details()}")
         if final is None or final.finish_reason == "abort":
-            reason = "the stream ended without a finish reason" if final is None else "the server aborted the request"
+            reason = (
+                "the stream ended without a finish reason"
+                if final is None
+                else "the server aborted the request"
+            )
             return clock.record(clock.tokens_seen, error=reason)
-        return clock.record(final.usage.completion_tokens or clock.tokens_seen, final.usage.prompt_tokens,
-                            kv_bytes=final.timings.kv_bytes, cached_prompt_tokens=final.usage.cached_prompt_tokens,
-                            reply_text="".join(texts))
+        return clock.record(
+            final.usage.completion_tokens or clock.tokens_seen,
+            final.usage.prompt_tokens,
+            kv_bytes=final.timings.kv_bytes,
+            cached_prompt_tokens=final.usage.cached_prompt_tokens,
+            reply_text="".join(texts),
+        )
 
 
 class OpenAIBackend:
@@ -118,20 +150,31 @@ class OpenAIBackend:
         import aiohttp
 
         # No connection limit: concurrency is the benchmark's to set (request rate, --max-concurrency).
-        verify = ssl.create_default_context(cafile=self.config.tls_ca) if self.config.tls_ca else True
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=verify), trust_env=False,
-                                             timeout=aiohttp.ClientTimeout(total=None))
+        verify = (
+            ssl.create_default_context(cafile=self.config.tls_ca) if self.config.tls_ca else True
+        )
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=verify),
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
         if not self.model:
             url = self.config.base_url + "/v1/models"
             try:
-                async with self.session.get(url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=30)) as response:
+                async with self.session.get(
+                    url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=30)
+                ) as response:
                     if response.status != 200:
-                        raise ConnectionError(f"GET {url}: HTTP {response.status}: {(await response.text())[:300]}")
+                        raise ConnectionError(
+                            f"GET {url}: HTTP {response.status}: {(await response.text())[:300]}"
+                        )
                     models = (await response.json()).get("data") or []
             except (aiohttp.ClientError, asyncio.TimeoutError) as error:
                 raise ConnectionError(f"GET {url}: {type(error).__name__}: {error}") from error
             if not models:
-                raise ConnectionError(f"GET {self.config.base_url}/v1/models lists no model; pass --model")
+                raise ConnectionError(
+                    f"GET {self.config.base_url}/v1/models lists no model; pass --model"
+                )
             self.model = models[0]["id"]
 
     async def close(self) -> None:
@@ -139,12 +182,20 @@ class OpenAIBackend:
             await self.session.close()
 
     def body(self, prompt: Prompt) -> dict:
-        common = {"model": self.model, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                  "ignore_eos": True}
+        common = {
+            "model": self.model,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
         if self.chat:
             messages = prompt.messages or (("user", prompt.text),)
-            return {**common, "messages": [{"role": role, "content": content} for role, content in messages],
-                    "max_completion_tokens": prompt.output_len}
+            return {
+                **common,
+                "messages": [{"role": role, "content": content} for role, content in messages],
+                "max_completion_tokens": prompt.output_len,
+            }
         return {**common, "prompt": prompt.text, "max_tokens": prompt.output_len}
 
     async def send(self, prompt: Prompt, clock: StreamClock) -> RequestRecord:
@@ -152,9 +203,13 @@ class OpenAIBackend:
 
         texts, usage, done = [], None, False
         try:
-            async with self.session.post(self.url, json=self.body(prompt), headers=self.headers) as response:
+            async with self.session.post(
+                self.url, json=self.body(prompt), headers=self.headers
+            ) as response:
                 if response.status != 200:
-                    return clock.record(0, error=f"HTTP {response.status}: {(await response.text())[:300]}")
+                    return clock.record(
+                        0, error=f"HTTP {response.status}: {(await response.text())[:300]}"
+                    )
                 async for raw_line in response.content:
                     line = raw_line.decode("utf-8").strip()
                     if not line.startswith("data:"):
@@ -165,9 +220,15 @@ class OpenAIBackend:
                         break
                     data = json.loads(payload)
                     if data.get("error"):
-                        return clock.record(0, error=f"error event: {json.dumps(data['error'])[:300]}")
+                        return clock.record(
+                            0, error=f"error event: {json.dumps(data['error'])[:300]}"
+                        )
                     for choice in data.get("choices") or []:
-                        text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+                        text = (
+                            (choice.get("delta") or {}).get("content")
+                            if self.chat
+                            else choice.get("text")
+                        )
                         if text:
                             clock.chunk()
                             texts.append(text)
@@ -177,7 +238,13 @@ class OpenAIBackend:
         if not done:
             return clock.record(0, error="the stream ended without data: [DONE]")
         usage, reply_text = usage or {}, "".join(texts)
-        output_len = usage.get("completion_tokens") or len(self.tokenizer.encode(reply_text, add_special_tokens=False))
+        output_len = usage.get("completion_tokens") or len(
+            self.tokenizer.encode(reply_text, add_special_tokens=False)
+        )
         cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return clock.record(output_len, usage.get("prompt_tokens"), cached_prompt_tokens=cached_prompt_tokens,
-                            reply_text=reply_text)
+        return clock.record(
+            output_len,
+            usage.get("prompt_tokens"),
+            cached_prompt_tokens=cached_prompt_tokens,
+            reply_text=reply_text,
+        )

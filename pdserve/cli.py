@@ -9,22 +9,49 @@ from typing import Optional, Sequence
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="run the engine in this process and stream the generated text to stdout")
+    p = sub.add_parser(
+        "generate", help="run the engine in this process and stream the generated text to stdout"
+    )
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default="default", help="'default', a .gguf file, an HF model directory, or dummy:<shape>")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the engine runs; auto: cuda where torch sees a GPU, else cpu")
-    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps eagerly (no CUDA graphs)")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default', a .gguf file, an HF model directory, or dummy:<shape>",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the engine runs; auto: cuda where torch sees a GPU, else cpu",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly (no CUDA graphs)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt as one user turn")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs this process may use, runtime/cpus.py)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template to the prompt as one user turn",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: the CPUs this process may use, runtime/cpus.py)",
+    )
     p.set_defaults(handler=_generate)
 
 
@@ -33,15 +60,25 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.sampling import SamplingParams
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
     )
     from engine.dtypes import resolve_device
     from runtime.cpus import usable_cpus
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=resolve_device(args.device),
-                                    cuda_graphs=not args.enforce_eager,
-                                    num_threads=args.threads or usable_cpus()))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=resolve_device(args.device),
+            cuda_graphs=not args.enforce_eager,
+            num_threads=args.threads or usable_cpus(),
+        )
+    )
     if engine.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer, so it cannot take a text prompt")
     prompt = args.prompt
@@ -58,103 +95,253 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start (or join) a Ray cluster, the worker pools and the router; serve until interrupted")
+    p = sub.add_parser(
+        "serve",
+        help="start (or join) a Ray cluster, the worker pools and the router; serve until interrupted",
+    )
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: workers doing both)")
+    p.add_argument(
+        "--decode", type=int, default=1, help="decode workers (colocated: workers doing both)"
+    )
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    p.add_argument("--transport", default="ray", choices=["ray", "grpc", "rdt"],
-                   help="how KV moves between workers (rdt: Ray Direct Transport; its workers are fixed at start)")
+    p.add_argument(
+        "--transport",
+        default="ray",
+        choices=["ray", "grpc", "rdt"],
+        help="how KV moves between workers (rdt: Ray Direct Transport; its workers are fixed at start)",
+    )
     p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where the cluster has GPUs, else cpu")
-    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps eagerly (no CUDA graphs)")
-    p.add_argument("--address", default="local", help="'local' starts Ray here; 'auto' or host:port joins a cluster")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where the cluster has GPUs, else cpu",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly (no CUDA graphs)",
+    )
+    p.add_argument(
+        "--address",
+        default="local",
+        help="'local' starts Ray here; 'auto' or host:port joins a cluster",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--kv-host", default="auto", help="address decode workers bind for their token stream to the router and "
-                   "their gRPC KV receiver; auto: 127.0.0.1 on a local node, each worker's node address on a cluster")
-    p.add_argument("--cpus-per-worker", type=float, default=None,
-                   help="CPUs per worker (default: on a local node, its cores / max(4, workers), workers sharing "
-                        "cores with one thread each; on a cluster 1); a worker computes with its whole CPUs as threads")
-    p.add_argument("--worker-start-timeout-s", type=float, default=300.0,
-                   help="give up on new workers not ready by then (no room on the cluster?)")
-    p.add_argument("--kv-cache-mib", type=int, default=None,
-                   help="KV cache per worker (default: a tenth of the node's available memory, at most 4 GiB)")
-    p.add_argument("--pd-policy", default="auto", choices=["auto", "remote", "local"],
-                   help="where a disaggregated request prefills: remote (the prefill pool), local (its decode worker, "
-                        "interleaved with decoding), auto (local for short prompts or when the prefill queue is longer)")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=256,
-                   help="auto: prompts with at most this many tokens not cached on the decode worker prefill there")
-    p.add_argument("--pd-queue-margin-tokens", type=int, default=2048,
-                   help="auto: prefill locally when the prefill pool's queue exceeds the decode worker's by this")
-    p.add_argument("--routing", default="prefix", choices=["prefix", "load"],
-                   help="which worker of a pool takes a request: prefix (weighs the prompt prefix each worker's KV "
-                        "cache holds, from its KV events, against its load) or load (load alone; whole prompts shipped)")
-    p.add_argument("--prefix-weight", type=float, default=1.0,
-                   help="prefix routing: one cached prompt token offsets this many prompt tokens of queue")
-    p.add_argument("--decode-stream-tokens", type=int, default=64,
-                   help="prefix routing: a decode worker's running request weighs like this many queued prompt tokens")
-    p.add_argument("--lend-cores", default="all", choices=["all", "prefill", "off"],
-                   help="which engine steps may borrow the cores of a worker on the same node that has nothing to "
-                        "compute: all, prefill (only steps computing prompt tokens), off")
-    p.add_argument("--decode-interleave-tokens", type=int, default=256,
-                   help="prompt tokens a decode/colocated worker prefills between two decode steps (0: prefill first)")
-    p.add_argument("--autoscale", action="store_true", help="grow/shrink each pool from queue time, TTFT and KV use")
+    p.add_argument(
+        "--kv-host",
+        default="auto",
+        help="address decode workers bind for their token stream to the router and "
+        "their gRPC KV receiver; auto: 127.0.0.1 on a local node, each worker's node address on a cluster",
+    )
+    p.add_argument(
+        "--cpus-per-worker",
+        type=float,
+        default=None,
+        help="CPUs per worker (default: on a local node, its cores / max(4, workers), workers sharing "
+        "cores with one thread each; on a cluster 1); a worker computes with its whole CPUs as threads",
+    )
+    p.add_argument(
+        "--worker-start-timeout-s",
+        type=float,
+        default=300.0,
+        help="give up on new workers not ready by then (no room on the cluster?)",
+    )
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="KV cache per worker (default: a tenth of the node's available memory, at most 4 GiB)",
+    )
+    p.add_argument(
+        "--pd-policy",
+        default="auto",
+        choices=["auto", "remote", "local"],
+        help="where a disaggregated request prefills: remote (the prefill pool), local (its decode worker, "
+        "interleaved with decoding), auto (local for short prompts or when the prefill queue is longer)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=256,
+        help="auto: prompts with at most this many tokens not cached on the decode worker prefill there",
+    )
+    p.add_argument(
+        "--pd-queue-margin-tokens",
+        type=int,
+        default=2048,
+        help="auto: prefill locally when the prefill pool's queue exceeds the decode worker's by this",
+    )
+    p.add_argument(
+        "--routing",
+        default="prefix",
+        choices=["prefix", "load"],
+        help="which worker of a pool takes a request: prefix (weighs the prompt prefix each worker's KV "
+        "cache holds, from its KV events, against its load) or load (load alone; whole prompts shipped)",
+    )
+    p.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=1.0,
+        help="prefix routing: one cached prompt token offsets this many prompt tokens of queue",
+    )
+    p.add_argument(
+        "--decode-stream-tokens",
+        type=int,
+        default=64,
+        help="prefix routing: a decode worker's running request weighs like this many queued prompt tokens",
+    )
+    p.add_argument(
+        "--lend-cores",
+        default="all",
+        choices=["all", "prefill", "off"],
+        help="which engine steps may borrow the cores of a worker on the same node that has nothing to "
+        "compute: all, prefill (only steps computing prompt tokens), off",
+    )
+    p.add_argument(
+        "--decode-interleave-tokens",
+        type=int,
+        default=256,
+        help="prompt tokens a decode/colocated worker prefills between two decode steps (0: prefill first)",
+    )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="grow/shrink each pool from queue time, TTFT and KV use",
+    )
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=4)
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-decode", type=int, default=4)
     p.add_argument("--autoscale-cooldown-s", type=float, default=30.0)
-    p.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API (and /metrics) on this port")
-    p.add_argument("--served-model-name", default=None, help="the model id of the HTTP API (default: the model file's name)")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="a data-plane API key (repeatable; default: $PDSERVE_API_KEY, comma-separated)")
-    p.add_argument("--admin-token", default=None, help="the token for admin calls such as Scale (default: $PDSERVE_ADMIN_TOKEN)")
-    p.add_argument("--insecure", action="store_true", help="allow serving beyond 127.0.0.1 without an API key and admin token")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate: TLS for the gRPC and HTTP servers (with --tls-key)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (and /metrics) on this port",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the HTTP API (default: the model file's name)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="a data-plane API key (repeatable; default: $PDSERVE_API_KEY, comma-separated)",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="the token for admin calls such as Scale (default: $PDSERVE_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving beyond 127.0.0.1 without an API key and admin token",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        help="PEM certificate: TLS for the gRPC and HTTP servers (with --tls-key)",
+    )
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--max-in-flight", type=int, default=1024, help="requests held at once; beyond: RESOURCE_EXHAUSTED / HTTP 429")
-    p.add_argument("--max-waiting", type=int, default=256, help="requests queued for decode KV room; beyond: RESOURCE_EXHAUSTED / HTTP 429")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="decode tokens per streamed message: 1 sends every token at once; N cuts the router's "
-                        "messages N-fold, in bursts of N tokens")
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=1024,
+        help="requests held at once; beyond: RESOURCE_EXHAUSTED / HTTP 429",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests queued for decode KV room; beyond: RESOURCE_EXHAUSTED / HTTP 429",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="decode tokens per streamed message: 1 sends every token at once; N cuts the router's "
+        "messages N-fold, in bursts of N tokens",
+    )
     from router.slo import DEFAULT_SLO, FAST_SLO, FP32_CPU_SLO  # torch-free
 
-    p.add_argument("--slo", default=DEFAULT_SLO, metavar="ttft:MS,tpot:MS",
-                   help="latency targets, in ms as vLLM's --goodput takes them: completed requests are judged "
-                        "against them (pdserve_slo_* metrics, pdserve status) and decoding workers lend their cores "
-                        f"to prefills within the TPOT target; default {DEFAULT_SLO}: {FAST_SLO} where workers "
-                        f"serve bf16, {FP32_CPU_SLO} for fp32 on CPUs")
-    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON lines (both carry the request id)")
+    p.add_argument(
+        "--slo",
+        default=DEFAULT_SLO,
+        metavar="ttft:MS,tpot:MS",
+        help="latency targets, in ms as vLLM's --goodput takes them: completed requests are judged "
+        "against them (pdserve_slo_* metrics, pdserve status) and decoding workers lend their cores "
+        f"to prefills within the TPOT target; default {DEFAULT_SLO}: {FAST_SLO} where workers "
+        f"serve bf16, {FP32_CPU_SLO} for fp32 on CPUs",
+    )
+    p.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="log lines as text or JSON lines (both carry the request id)",
+    )
     p.set_defaults(handler=_serve)
 
 
 def _serve_config(args: argparse.Namespace, **overrides):
     from pdserve.system import ServeConfig
 
-    fields = dict(model=args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-                  mode=args.mode, transport=args.transport,
-                  num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
-                  worker_start_timeout_s=args.worker_start_timeout_s,
-                  address=args.address, host=args.host, port=args.port, kv_host=args.kv_host,
-                  kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
-                  pd_policy=args.pd_policy, local_prefill_max_tokens=args.local_prefill_max_tokens,
-                  pd_queue_margin_tokens=args.pd_queue_margin_tokens, routing=args.routing,
-                  prefix_weight=args.prefix_weight, decode_stream_tokens=args.decode_stream_tokens,
-                  decode_interleave_tokens=args.decode_interleave_tokens or None, http_port=args.http_port,
-                  served_model_name=args.served_model_name, api_keys=_api_keys(args.api_key),
-                  admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,
-                  insecure=args.insecure, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                  max_in_flight=args.max_in_flight, max_waiting_for_kv=args.max_waiting,
-                  stream_interval=args.stream_interval, lend_cores=args.lend_cores, slo=args.slo)
+    fields = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+        mode=args.mode,
+        transport=args.transport,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        cpus_per_worker=args.cpus_per_worker,
+        worker_start_timeout_s=args.worker_start_timeout_s,
+        address=args.address,
+        host=args.host,
+        port=args.port,
+        kv_host=args.kv_host,
+        kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+        pd_policy=args.pd_policy,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        pd_queue_margin_tokens=args.pd_queue_margin_tokens,
+        routing=args.routing,
+        prefix_weight=args.prefix_weight,
+        decode_stream_tokens=args.decode_stream_tokens,
+        decode_interleave_tokens=args.decode_interleave_tokens or None,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
+        api_keys=_api_keys(args.api_key),
+        admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,
+        insecure=args.insecure,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        max_in_flight=args.max_in_flight,
+        max_waiting_for_kv=args.max_waiting,
+        stream_interval=args.stream_interval,
+        lend_cores=args.lend_cores,
+        slo=args.slo,
+    )
     if args.autoscale:
         from router.autoscaler import AutoscaleConfig
 
-        fields["autoscale"] = AutoscaleConfig(min_prefill=args.min_prefill, max_prefill=args.max_prefill,
-                                              min_decode=args.min_decode, max_decode=args.max_decode,
-                                              cooldown_s=args.autoscale_cooldown_s)
+        fields["autoscale"] = AutoscaleConfig(
+            min_prefill=args.min_prefill,
+            max_prefill=args.max_prefill,
+            min_decode=args.min_decode,
+            max_decode=args.max_decode,
+            cooldown_s=args.autoscale_cooldown_s,
+        )
     fields.update(overrides)
     return ServeConfig(**fields)
 
@@ -213,7 +400,9 @@ def _client(args: argparse.Namespace):
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="send a prompt as one chat user turn to a running server; stream the answer")
+    p = sub.add_parser(
+        "chat", help="send a prompt as one chat user turn to a running server; stream the answer"
+    )
     p.add_argument("prompt")
     _add_client_args(p)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -225,8 +414,11 @@ def _chat(args: argparse.Namespace) -> int:
     import grpc
 
     with _client(args) as client:
-        request = client.request(messages=[{"role": "user", "content": args.prompt}],
-                                 temperature=args.temperature, max_tokens=args.max_tokens)
+        request = client.request(
+            messages=[{"role": "user", "content": args.prompt}],
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+        )
         try:
             for response in client.stream(request):
                 sys.stdout.write(response.text)
@@ -241,7 +433,9 @@ def _chat(args: argparse.Namespace) -> int:
 def _add_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="exit 0 once a server is ready to serve; print its pools")
     _add_client_args(p)
-    p.add_argument("--json", action="store_true", help="one JSON object (workers: role, node, state, ...)")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object (workers: role, node, state, ...)"
+    )
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for readiness")
     p.set_defaults(handler=_status)
 
@@ -257,27 +451,43 @@ def _status(args: argparse.Namespace) -> int:
             return 1
         stats = client.stats()
     if args.json:
-        print(json.dumps(MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        print(
+            json.dumps(
+                MessageToDict(
+                    stats,
+                    preserving_proto_field_name=True,
+                    always_print_fields_with_no_presence=True,
+                )
+            )
+        )
         return 0
-    print(f"{stats.mode}, {stats.transport} transport, model {stats.model}: "
-          f"{stats.requests_in_flight} in flight, {stats.requests_waiting_for_kv} waiting for KV room, "
-          f"{stats.requests_completed} completed, {stats.requests_failed} failed; recent TTFT p50 "
-          f"{stats.recent_ttft_p50_s * 1e3:.0f} ms, TPOT p50 {stats.recent_tpot_p50_s * 1e3:.1f} ms; context "
-          f"{stats.max_context_tokens} tokens (model {stats.model_context_tokens})")
+    print(
+        f"{stats.mode}, {stats.transport} transport, model {stats.model}: "
+        f"{stats.requests_in_flight} in flight, {stats.requests_waiting_for_kv} waiting for KV room, "
+        f"{stats.requests_completed} completed, {stats.requests_failed} failed; recent TTFT p50 "
+        f"{stats.recent_ttft_p50_s * 1e3:.0f} ms, TPOT p50 {stats.recent_tpot_p50_s * 1e3:.1f} ms; context "
+        f"{stats.max_context_tokens} tokens (model {stats.model_context_tokens})"
+    )
     if stats.slo:
         attainment = f" ({stats.slo_met / stats.slo_finished:.1%})" if stats.slo_finished else ""
-        print(f"  SLO {stats.slo}: {stats.slo_met} of {stats.slo_finished} completed requests met it{attainment}")
+        print(
+            f"  SLO {stats.slo}: {stats.slo_met} of {stats.slo_finished} completed requests met it{attainment}"
+        )
     for w in stats.workers:
-        print(f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  {w.cpus:g} CPU, {w.threads} thread(s)  "
-              f"running {w.running_requests}  waiting {w.waiting_requests}  KV free {w.kv_blocks_free}/"
-              f"{w.kv_blocks_total} ({w.kv_capacity_tokens} tokens)  served {w.requests_served}")
+        print(
+            f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  {w.cpus:g} CPU, {w.threads} thread(s)  "
+            f"running {w.running_requests}  waiting {w.waiting_requests}  KV free {w.kv_blocks_free}/"
+            f"{w.kv_blocks_total} ({w.kv_capacity_tokens} tokens)  served {w.requests_served}"
+        )
     for line in stats.autoscaler_decisions:
         print(f"  autoscaler: {line}")
     return 0
 
 
 def _add_scale(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("scale", help="resize a running server's pools; returns when the new sizes are in effect")
+    p = sub.add_parser(
+        "scale", help="resize a running server's pools; returns when the new sizes are in effect"
+    )
     _add_client_args(p, admin=True)
     p.add_argument("--prefill", type=int, default=None)
     p.add_argument("--decode", type=int, default=None)
@@ -298,12 +508,22 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="start a local 1 prefill + 1 decode system, send a few chat prompts, stop")
+    p = sub.add_parser(
+        "demo", help="start a local 1 prefill + 1 decode system, send a few chat prompts, stop"
+    )
     p.add_argument("--transport", default="ray", choices=["ray", "grpc", "rdt"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where this node has GPUs, else cpu")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: bf16 where the CPU has native bf16 (AVX512-BF16/AMX) or on CUDA, else fp32",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where this node has GPUs, else cpu",
+    )
     p.set_defaults(handler=_demo)
 
 
@@ -314,12 +534,23 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     from pdserve.bench import add_parser as _add_bench
     from pdserve.planner.commands import add_parsers as _add_planner  # profile, simulate, plan
 
-    for add in (_add_generate, _add_serve, _add_chat, _add_status, _add_scale, _add_demo, _add_bench, _add_planner):
+    for add in (
+        _add_generate,
+        _add_serve,
+        _add_chat,
+        _add_status,
+        _add_scale,
+        _add_demo,
+        _add_bench,
+        _add_planner,
+    ):
         add(sub)
     return parser
 

@@ -21,19 +21,25 @@ def run_demo(transport: str, dtype: str, device: str = "auto") -> int:
 
     # Every chat through the prefill pool and a KV handoff (the demo shows disaggregation; `--pd-policy
     # auto` would prefill these short prompts on the decode worker)
-    config = ServeConfig(transport=transport, dtype=dtype, device=device, port=0, pd_policy="remote")
+    config = ServeConfig(
+        transport=transport, dtype=dtype, device=device, port=0, pd_policy="remote"
+    )
     init_ray(config)  # on the main thread, where Ray can install its signal handlers
     loop = new_event_loop()
     threading.Thread(target=loop.run_forever, name="router", daemon=True).start()
-    print(f"starting Ray, 1 prefill + 1 decode worker ({transport} KV transport, {dtype}) ...", flush=True)
-    system = asyncio.run_coroutine_threadsafe(
-        start_system(config), loop).result(timeout=300)
+    print(
+        f"starting Ray, 1 prefill + 1 decode worker ({transport} KV transport, {dtype}) ...",
+        flush=True,
+    )
+    system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(timeout=300)
     print(f"{system.ready_line()}\nsending {len(PROMPTS)} chat prompts at once\n", flush=True)
     lock = threading.Lock()
 
     def ask(index: int, prompt: str):
         with PdserveClient(port=system.port, timeout_s=300) as client:
-            request = client.request(messages=[{"role": "user", "content": prompt}], max_tokens=96, temperature=0)
+            request = client.request(
+                messages=[{"role": "user", "content": prompt}], max_tokens=96, temperature=0
+            )
             text, last = "", None
             for response in client.stream(request):
                 text += response.text
@@ -52,9 +58,11 @@ def run_demo(transport: str, dtype: str, device: str = "auto") -> int:
             t = last.timings
             if index:
                 print(f"\n> {prompt}\n{text}")
-            print(f"  [{last.usage.completion_tokens} tokens, finish {last.finish_reason}; TTFT {t.ttft_s * 1e3:.0f} ms, "
-                  f"TPOT {t.tpot_s * 1e3:.1f} ms, KV {t.kv_bytes / 1e6:.2f} MB moved in {t.kv_transfer_s * 1e3:.1f} ms; "
-                  f"prefill on {last.prefill_worker}, decode on {last.decode_worker}]")
+            print(
+                f"  [{last.usage.completion_tokens} tokens, finish {last.finish_reason}; TTFT {t.ttft_s * 1e3:.0f} ms, "
+                f"TPOT {t.tpot_s * 1e3:.1f} ms, KV {t.kv_bytes / 1e6:.2f} MB moved in {t.kv_transfer_s * 1e3:.1f} ms; "
+                f"prefill on {last.prefill_worker}, decode on {last.decode_worker}]"
+            )
     finally:
         asyncio.run_coroutine_threadsafe(system.stop(), loop).result(timeout=60)
         import ray

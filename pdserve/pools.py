@@ -19,7 +19,11 @@ from router.pool import WorkerStartError
 
 log = logging.getLogger(__name__)
 
-NODE_RESOURCE = {"prefill": "pdserve_prefill", "decode": "pdserve_decode", "colocated": "pdserve_decode"}
+NODE_RESOURCE = {
+    "prefill": "pdserve_prefill",
+    "decode": "pdserve_decode",
+    "colocated": "pdserve_decode",
+}
 _RESOURCE_PER_WORKER = 0.01  # a node type's marker, not a capacity: CPUs and GPUs bound the count
 _DRAIN_POLL_S = 0.1
 
@@ -42,7 +46,8 @@ class PoolManager:
         self.replaced: list[str] = []  # ids of dead workers replaced, oldest first
         self._missing: dict[str, int] = {}  # dead workers not yet replaced, per role
         self._healer: Optional[asyncio.Task] = None
-        self.kv_group: Optional[str] = None  # --transport rdt: the collective group of every worker, once formed
+        # --transport rdt: the collective group of every worker, once formed
+        self.kv_group: Optional[str] = None
 
     def start_healing(self) -> None:
         self._healer = asyncio.get_running_loop().create_task(self.heal())
@@ -63,7 +68,9 @@ class PoolManager:
             options["runtime_env"] = {"env_vars": {AUTO_DTYPE_ENV: forced_dtype}}
         # One engine per GPU; Ray sets the actor's CUDA_VISIBLE_DEVICES. Under "auto" a worker without a
         # GPU of its own sees none (Ray hides them) and resolves to cpu.
-        if self.config.device == "cuda" or (self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1):
+        if self.config.device == "cuda" or (
+            self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
+        ):
             options["num_gpus"] = 1
         resource = NODE_RESOURCE[role]
         if resource in ray.cluster_resources():
@@ -80,47 +87,77 @@ class PoolManager:
         if count == 0:
             return []
         if self.kv_group is not None:
-            raise WorkerStartError(f"{role}: no worker can join the rdt transport's collective group after start "
-                                   "(Ray 2.60 fixes a gloo group's members); scaling up and replacing dead "
-                                   "workers need --transport ray or grpc")
+            raise WorkerStartError(
+                f"{role}: no worker can join the rdt transport's collective group after start "
+                "(Ray 2.60 fixes a gloo group's members); scaling up and replacing dead "
+                "workers need --transport ray or grpc"
+            )
         options = self._actor_options(role)
-        if self.config.address == "local":  # a local node never grows: a pending actor would wait forever
+        # a local node never grows: a pending actor would wait forever
+        if self.config.address == "local":
             self._check_room(role, count, options)
         actors = []
         for _ in range(count):
             worker_id = f"{role}-{self._next_index[role]}"
             self._next_index[role] += 1
             if role == "prefill":
-                actor = self._actor_class(PrefillWorker).options(**options).remote(
-                    worker_id, self.engine_config, self.config.transport, self.epoch, self.config.kv_timeout_s,
-                    self.config.core_policy)
+                actor = (
+                    self._actor_class(PrefillWorker)
+                    .options(**options)
+                    .remote(
+                        worker_id,
+                        self.engine_config,
+                        self.config.transport,
+                        self.epoch,
+                        self.config.kv_timeout_s,
+                        self.config.core_policy,
+                    )
+                )
             else:
-                actor = self._actor_class(DecodeWorker).options(**options).remote(
-                    worker_id, self.engine_config, self.config.transport, self.config.worker_bind_host(), role,
-                    self.config.core_policy)
+                actor = (
+                    self._actor_class(DecodeWorker)
+                    .options(**options)
+                    .remote(
+                        worker_id,
+                        self.engine_config,
+                        self.config.transport,
+                        self.config.worker_bind_host(),
+                        role,
+                        self.config.core_policy,
+                    )
+                )
             actors.append(actor)
         try:  # ready = engine loaded; on a cluster, the wait includes any nodes its autoscaler adds
-            infos = await asyncio.wait_for(asyncio.gather(*(actor.info.remote() for actor in actors)),
-                                           self.config.worker_start_timeout_s)
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(actor.info.remote() for actor in actors)),
+                self.config.worker_start_timeout_s,
+            )
         except asyncio.TimeoutError:
             for actor in actors:
                 ray.kill(actor)
             raise WorkerStartError(
                 f"{role}: {count} new worker(s) were not ready within {self.config.worker_start_timeout_s:.0f} s "
-                f"(each needs {options}; free on the cluster now: {_free_summary(ray.available_resources())})") from None
+                f"(each needs {options}; free on the cluster now: {_free_summary(ray.available_resources())})"
+            ) from None
         handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
         self._check_agreement(role, actors, infos)
         if role != "prefill":  # subscribed to their tokens before any request can be routed to them
-            watched = await asyncio.gather(*(self.router.streams.watch(handle) for handle in handles), return_exceptions=True)
+            watched = await asyncio.gather(
+                *(self.router.streams.watch(handle) for handle in handles), return_exceptions=True
+            )
             failures = [result for result in watched if isinstance(result, BaseException)]
             if failures:
                 for handle in handles:
                     handle.state = "stopping"
                     self.router.streams.unwatch(handle, "not started")
                     ray.kill(handle.actor)
-                raise WorkerStartError(f"{role}: could not subscribe to the new workers' tokens: {failures[0]}") from failures[0]
+                raise WorkerStartError(
+                    f"{role}: could not subscribe to the new workers' tokens: {failures[0]}"
+                ) from failures[0]
         self._pool(role).workers.extend(handles)
-        log.info("%s pool: %d worker(s) joined: %s", role, count, ", ".join(h.worker_id for h in handles))
+        log.info(
+            "%s pool: %d worker(s) joined: %s", role, count, ", ".join(h.worker_id for h in handles)
+        )
         return handles
 
     def _actor_class(self, worker_class):
@@ -141,27 +178,41 @@ class PoolManager:
         senders = [w.actor for w in self.router.prefill_pool.workers]
         receivers = [w.actor for w in self.router.decode_pool.workers]
         self.kv_group = await asyncio.to_thread(form_group, senders, receivers, backend)
-        log.info("rdt transport: %s group %s over %d prefill + %d decode workers", backend, self.kv_group,
-                 len(senders), len(receivers))
+        log.info(
+            "rdt transport: %s group %s over %d prefill + %d decode workers",
+            backend,
+            self.kv_group,
+            len(senders),
+            len(receivers),
+        )
 
     def _check_agreement(self, role: str, actors: list, infos: list) -> None:
         """Every worker of a system serves one dtype ("auto" resolves per node): a worker that differs
         would fail each KV handoff's layout check, so it never joins."""
         import ray
 
-        known = [w.info for pool in (self.router.prefill_pool, self.router.decode_pool) for w in pool.workers]
+        known = [
+            w.info
+            for pool in (self.router.prefill_pool, self.router.decode_pool)
+            for w in pool.workers
+        ]
         dtypes = sorted({info.dtype for info in known + list(infos)})
         if len(dtypes) > 1:
             for actor in actors:
                 ray.kill(actor)
-            raise WorkerStartError(f"{role}: workers would serve different dtypes ({', '.join(dtypes)}): their nodes' "
-                                   "CPUs differ under --dtype auto; pass --dtype float32 or bfloat16")
+            raise WorkerStartError(
+                f"{role}: workers would serve different dtypes ({', '.join(dtypes)}): their nodes' "
+                "CPUs differ under --dtype auto; pass --dtype float32 or bfloat16"
+            )
 
     def _check_room(self, role: str, count: int, options: dict) -> None:
         import ray
 
         free = ray.available_resources()
-        needs = {"CPU": options["num_cpus"] * count, **{k: v * count for k, v in options.get("resources", {}).items()}}
+        needs = {
+            "CPU": options["num_cpus"] * count,
+            **{k: v * count for k, v in options.get("resources", {}).items()},
+        }
         if "num_gpus" in options:
             needs["GPU"] = options["num_gpus"] * count
         short = {name: need for name, need in needs.items() if free.get(name, 0.0) + 1e-9 < need}
@@ -170,9 +221,12 @@ class PoolManager:
                 f"{role}: {count} more worker(s) need {', '.join(f'{v:g} {k}' for k, v in needs.items())}; this "
                 f"local Ray node has {_free_summary(free)} free of {ray.cluster_resources().get('CPU', 0.0):g} CPU "
                 f"(each worker holds {options['num_cpus']:g}). Serve with a smaller --cpus-per-worker, or on a "
-                f"cluster (--address)")
+                f"cluster (--address)"
+            )
 
-    async def scale(self, prefill: Optional[int] = None, decode: Optional[int] = None) -> tuple[int, int]:
+    async def scale(
+        self, prefill: Optional[int] = None, decode: Optional[int] = None
+    ) -> tuple[int, int]:
         """Returns once the new sizes are in effect: added workers ready, removed ones draining."""
         if prefill is not None and self.config.mode != "disaggregated":
             raise ValueError("prefill: a colocated system has no prefill pool")
@@ -200,8 +254,12 @@ class PoolManager:
             load = await worker.actor.load.remote()
             self.stopped.append(load)
             if load.kv_blocks_free != load.kv_blocks_total:
-                log.warning("%s drained with %d of %d KV blocks still in use", worker.worker_id,
-                            load.kv_blocks_total - load.kv_blocks_free, load.kv_blocks_total)
+                log.warning(
+                    "%s drained with %d of %d KV blocks still in use",
+                    worker.worker_id,
+                    load.kv_blocks_total - load.kv_blocks_free,
+                    load.kv_blocks_total,
+                )
         except Exception as error:  # it died while draining: nothing left to free
             log.warning("%s died while draining: %s", worker.worker_id, error)
         worker.state = "stopping"
@@ -225,8 +283,10 @@ class PoolManager:
                 pool = self._pool(role)
                 now = time.monotonic()
                 ready = [w for w in pool.ready() if now - w.last_heard_s > interval_s]
-                answers = await asyncio.gather(*(asyncio.wait_for(w.actor.load.remote(), 10) for w in ready),
-                                               return_exceptions=True)
+                answers = await asyncio.gather(
+                    *(asyncio.wait_for(w.actor.load.remote(), 10) for w in ready),
+                    return_exceptions=True,
+                )
                 for worker, answer in zip(ready, answers):
                     if isinstance(answer, BaseException) and is_actor_death(answer):
                         worker.state = "dead"
@@ -239,8 +299,14 @@ class PoolManager:
                         log.warning("could not kill %s: %s", worker.worker_id, error)
                     self.replaced.append(worker.worker_id)
                     self._missing[role] = self._missing.get(role, 0) + 1
-                    log.warning("%s pool: %s died; %s", role, worker.worker_id, "starting a replacement"
-                                if self.kv_group is None else "not replaced (the rdt transport's workers are fixed)")
+                    log.warning(
+                        "%s pool: %s died; %s",
+                        role,
+                        worker.worker_id,
+                        "starting a replacement"
+                        if self.kv_group is None
+                        else "not replaced (the rdt transport's workers are fixed)",
+                    )
                 if self._missing.get(role) and self.kv_group is None:
                     try:
                         await self.add_workers(role, self._missing[role])
@@ -308,14 +374,18 @@ class AutoscaleLoop:
         router = self.router
         queues = [(t, queue) for t, _, queue in router.recent_first_tokens]
         decode = self.router.decode_pool.ready()
-        loads = await asyncio.gather(*(w.actor.load.remote() for w in decode), return_exceptions=True)
+        loads = await asyncio.gather(
+            *(w.actor.load.remote() for w in decode), return_exceptions=True
+        )
         loads = [load for load in loads if not isinstance(load, Exception)]
         total = sum(load.kv_blocks_total for load in loads) or 1
         used = sum(load.kv_blocks_total - load.kv_blocks_free for load in loads)
         return Signals(
-            prefill_workers=len(self.router.prefill_pool.ready()), decode_workers=len(decode),
+            prefill_workers=len(self.router.prefill_pool.ready()),
+            decode_workers=len(decode),
             ttft_p50_s=router.recent_p50(router.recent_first_tokens, now_s),
             queue_p50_s=router.recent_p50(queues, now_s),
-            decode_kv_use=used / total, waiting_for_kv=self.router.waiting_for_kv,
+            decode_kv_use=used / total,
+            waiting_for_kv=self.router.waiting_for_kv,
             requests_in_flight=self.router.active,  # running or waiting for KV room
         )

@@ -23,16 +23,20 @@ from runtime.cpus import usable_cpus  # torch-free
 log = logging.getLogger(__name__)
 
 MODES = ("disaggregated", "colocated")
-_LOCAL_WORKER_SLOTS = 4  # a local node's default CPU share per worker is its cores / this (or / its workers)
+# a local node's default CPU share per worker is its cores / this (or / its workers)
+_LOCAL_WORKER_SLOTS = 4
 TRANSPORTS = ("ray", "grpc", "rdt")
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "default"
-    dtype: str = "auto"  # bf16 where the workers' hardware has it natively, else fp32 (engine.dtypes.auto_dtype)
-    device: str = "auto"  # "cuda": each worker asks Ray for one GPU; "auto": cuda when the cluster has GPUs
-    enforce_eager: bool = False  # no CUDA graphs for decode steps on GPUs (vLLM's flag of that name)
+    # bf16 where the workers' hardware has it natively, else fp32 (engine.dtypes.auto_dtype)
+    dtype: str = "auto"
+    # "cuda": each worker asks Ray for one GPU; "auto": cuda when the cluster has GPUs
+    device: str = "auto"
+    # no CUDA graphs for decode steps on GPUs (vLLM's flag of that name)
+    enforce_eager: bool = False
     mode: str = "disaggregated"
     transport: str = "ray"
     num_prefill: int = 1
@@ -40,36 +44,49 @@ class ServeConfig:
     # CPUs Ray accounts to each worker; None: on a local node a share of its cores that leaves room to
     # scale up (`worker_cpus`), on a cluster 1. A worker computes with max(1, whole CPUs) torch threads.
     cpus_per_worker: Optional[float] = None
-    worker_start_timeout_s: float = 300.0  # a new worker not ready by then (no room on the cluster?) is given up
+    # a new worker not ready by then (no room on the cluster?) is given up
+    worker_start_timeout_s: float = 300.0
     address: str = "local"  # "local": start a Ray node here; "auto" or host:port: join that cluster
     host: str = "127.0.0.1"
     port: int = 50051
     # Where decode workers bind their token stream to the router and their gRPC KV receiver: "auto" is
     # 127.0.0.1 on a local node and each worker's node address on a cluster.
     kv_host: str = "auto"
-    kv_cache_bytes: Optional[int] = None  # per worker; None: a tenth of its node's available memory (<= 4 GiB)
-    kv_timeout_s: float = 30.0  # a KV reservation's and a handoff lease's life (router.router.RouterConfig)
+    # per worker; None: a tenth of its node's available memory (<= 4 GiB)
+    kv_cache_bytes: Optional[int] = None
+    # a KV reservation's and a handoff lease's life (router.router.RouterConfig)
+    kv_timeout_s: float = 30.0
     block_size_tokens: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # Decode and colocated workers prefill at most this many prompt tokens between two decode steps
     # while streams are decoding (engine.scheduler); None: prefill-first, streams wait for whole prompts.
     decode_interleave_tokens: Optional[int] = 256
-    pd_policy: str = "auto"  # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
-    local_prefill_max_tokens: int = 256  # auto: prompts with this few tokens not cached there prefill on their decode worker
+    # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
+    pd_policy: str = "auto"
+    # auto: prompts with this few tokens not cached there prefill on their decode worker
+    local_prefill_max_tokens: int = 256
     pd_queue_margin_tokens: int = 2048  # auto: go local when the prefill queue is this much longer
-    routing: str = "prefix"  # which worker of a pool: prefix (cached prefix against load) or load (router/kv_index.py)
-    prefix_weight: float = 1.0  # prefix routing: one cached prompt token offsets this many tokens of load
-    decode_stream_tokens: int = 64  # prefix routing: a decode worker's running request weighs like this many tokens
+    # which worker of a pool: prefix (cached prefix against load) or load (router/kv_index.py)
+    routing: str = "prefix"
+    # prefix routing: one cached prompt token offsets this many tokens of load
+    prefix_weight: float = 1.0
+    # prefix routing: a decode worker's running request weighs like this many tokens
+    decode_stream_tokens: int = 64
     # Which engine steps may borrow cores another worker of the node was granted and is not using
     # (runtime/cores.py): all, prefill (only steps computing prompt tokens), off.
     lend_cores: str = "all"
-    core_dir: Optional[str] = None  # where the node's workers agree on cores; None: /dev/shm/pdserve-cores-<uid>
+    # where the node's workers agree on cores; None: /dev/shm/pdserve-cores-<uid>
+    core_dir: Optional[str] = None
     object_store_bytes: int = 512 << 20
-    autoscale: Optional[object] = None  # a router.autoscaler.AutoscaleConfig turns the autoscaler on
-    http_port: Optional[int] = None  # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
-    served_model_name: Optional[str] = None  # the model id of the HTTP API; default: the model file's name
-    api_keys: tuple[str, ...] = ()  # data-plane keys; none: no key needed (allowed on loopback only)
+    # a router.autoscaler.AutoscaleConfig turns the autoscaler on
+    autoscale: Optional[object] = None
+    # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
+    http_port: Optional[int] = None
+    # the model id of the HTTP API; default: the model file's name
+    served_model_name: Optional[str] = None
+    # data-plane keys; none: no key needed (allowed on loopback only)
+    api_keys: tuple[str, ...] = ()
     admin_token: Optional[str] = None  # for Scale and other admin calls
     insecure: bool = False  # allow serving beyond loopback without keys
     tls_cert: Optional[str] = None  # PEM files: both set turns TLS on for the gRPC and HTTP servers
@@ -98,7 +115,9 @@ class ServeConfig:
         """The router's `PDPolicyConfig` (where disaggregated requests prefill)."""
         from router.pd_policy import PDPolicyConfig
 
-        return PDPolicyConfig(self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens)
+        return PDPolicyConfig(
+            self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens
+        )
 
     @property
     def routing_config(self):
@@ -122,14 +141,20 @@ class ServeConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+            raise ValueError(
+                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
         if self.transport == "rdt" and self.autoscale is not None:
-            raise ValueError("the rdt transport's workers are fixed at start (one Ray collective group): "
-                             "autoscaling needs --transport ray or grpc")
+            raise ValueError(
+                "the rdt transport's workers are fixed at start (one Ray collective group): "
+                "autoscaling needs --transport ray or grpc"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
-            raise ValueError("need at least one decode worker, and one prefill worker when disaggregated")
+            raise ValueError(
+                "need at least one decode worker, and one prefill worker when disaggregated"
+            )
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ValueError(f"--cpus-per-worker must be positive, got {self.cpus_per_worker}")
         self.pd  # checks the policy's fields
@@ -137,7 +162,9 @@ class ServeConfig:
         self.routing_config
         self.slo_target
         if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
-            raise ValueError(f"--decode-interleave-tokens must be >= 1, got {self.decode_interleave_tokens}")
+            raise ValueError(
+                f"--decode-interleave-tokens must be >= 1, got {self.decode_interleave_tokens}"
+            )
         if self.kv_timeout_s <= 0:
             raise ValueError(f"kv_timeout_s must be positive, got {self.kv_timeout_s}")
         if self.stream_interval < 1:
@@ -164,22 +191,34 @@ class ServeConfig:
             return self.served_model_name
         from engine.default_model import resolve_model_path
 
-        return self.model if self.model.startswith("dummy:") else resolve_model_path(self.model).stem
+        return (
+            self.model if self.model.startswith("dummy:") else resolve_model_path(self.model).stem
+        )
 
     @property
     def core_policy(self):
         from runtime.cores import CorePolicy  # torch-free
 
-        return CorePolicy(self.lend_cores, self.core_dir,
-                          tpot_budget_s=self.slo_target.tpot_s if self.lend_cores != "off" else None)
+        return CorePolicy(
+            self.lend_cores,
+            self.core_dir,
+            tpot_budget_s=self.slo_target.tpot_s if self.lend_cores != "off" else None,
+        )
 
     def engine_config(self):
         from engine.config import EngineConfig  # torch-free: the router builds it
 
-        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, block_size_tokens=self.block_size_tokens,
-                            kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens,
-                            decode_interleave_tokens=self.decode_interleave_tokens, cuda_graphs=not self.enforce_eager)
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            block_size_tokens=self.block_size_tokens,
+            kv_cache_bytes=self.kv_cache_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            decode_interleave_tokens=self.decode_interleave_tokens,
+            cuda_graphs=not self.enforce_eager,
+        )
 
 
 def _uvloop():
@@ -209,7 +248,9 @@ def init_ray(config: ServeConfig) -> None:
         # Every server on loopback (DESIGN.md). Ray reads this when it is imported, so it must be set
         # before the first `import ray` in this process (tests/conftest.py sets it for the test run).
         if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
-            log.warning("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set: its servers may not stay on loopback")
+            log.warning(
+                "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set: its servers may not stay on loopback"
+            )
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
     import ray
@@ -218,18 +259,30 @@ def init_ray(config: ServeConfig) -> None:
         return
     if config.address == "local":
         workers = config.num_decode + (config.num_prefill if config.mode == "disaggregated" else 0)
-        local = dict(address="local", num_cpus=max(usable_cpus(), int(workers * config.worker_cpus + 0.999)),
-                     include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=config.object_store_bytes,
-                     log_to_driver=False, configure_logging=False)
+        local = dict(
+            address="local",
+            num_cpus=max(usable_cpus(), int(workers * config.worker_cpus + 0.999)),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=config.object_store_bytes,
+            log_to_driver=False,
+            configure_logging=False,
+        )
         try:
             ray.init(**local)
         except Exception as error:  # Ray raises a bare Exception for this
-            if "timed out during startup" not in str(error) or os.environ["RAY_preallocate_plasma_memory"] == "0":
+            if (
+                "timed out during startup" not in str(error)
+                or os.environ["RAY_preallocate_plasma_memory"] == "0"
+            ):
                 raise
             # The raylet gives its object store 10 s to open its socket, and preallocating the store's
             # pages can take longer where memory pages in slowly (seen: 9.3 s for 512 MB on this VM).
-            log.warning("Ray's local node did not start (%s): starting it again without preallocating the "
-                        "object store", error)
+            log.warning(
+                "Ray's local node did not start (%s): starting it again without preallocating the "
+                "object store",
+                error,
+            )
             ray.shutdown()
             os.environ["RAY_preallocate_plasma_memory"] = "0"
             ray.init(**local)
@@ -245,7 +298,8 @@ class System:
     port: int
     health: object
     pools: object  # pdserve.pools.PoolManager
-    limits: Optional[object] = None  # router.validation.ValidationLimits: what every request is checked against
+    # router.validation.ValidationLimits: what every request is checked against
+    limits: Optional[object] = None
     autoscaler: Optional[object] = None  # pdserve.pools.AutoscaleLoop
     http_runner: Optional[object] = None  # aiohttp AppRunner of the OpenAI-compatible server
     http_port: Optional[int] = None
@@ -262,18 +316,26 @@ class System:
                 infos = [w.info for w in pool.workers]
                 threads = sorted({i.num_threads for i in infos})
                 kv_tokens = min(i.kv_blocks_total * i.block_size_tokens for i in infos)
-                pools.append(f"{len(infos)} {pool.role} x {'/'.join(map(str, threads))} thread(s), "
-                             f"{kv_tokens} KV tokens each")
+                pools.append(
+                    f"{len(infos)} {pool.role} x {'/'.join(map(str, threads))} thread(s), "
+                    f"{kv_tokens} KV tokens each"
+                )
         info = (router.decode_pool.workers or router.prefill_pool.workers)[0].info
-        return (f"pdserve ready on {config.host}: gRPC port {self.port}{http}; {config.mode}, {config.transport} "
-                f"transport; {'; '.join(pools)}; dtype {info.dtype} ({info.dtype_reason}); context "
-                f"{self.limits.max_context_tokens} tokens (model {self.limits.model_context_tokens}); "
-                f"SLO {router.config.slo}")
+        return (
+            f"pdserve ready on {config.host}: gRPC port {self.port}{http}; {config.mode}, {config.transport} "
+            f"transport; {'; '.join(pools)}; dtype {info.dtype} ({info.dtype_reason}); context "
+            f"{self.limits.max_context_tokens} tokens (model {self.limits.model_context_tokens}); "
+            f"SLO {router.config.slo}"
+        )
 
     async def worker_loads(self) -> list:
         """(handle, WorkerLoad or the exception it raised) for every worker of both pools, asked at once."""
-        workers = [w for pool in (self.router.prefill_pool, self.router.decode_pool) for w in pool.workers]
-        loads = await asyncio.gather(*(w.actor.load.remote() for w in workers), return_exceptions=True)
+        workers = [
+            w for pool in (self.router.prefill_pool, self.router.decode_pool) for w in pool.workers
+        ]
+        loads = await asyncio.gather(
+            *(w.actor.load.remote() for w in workers), return_exceptions=True
+        )
         for worker, load in zip(workers, loads):
             if not isinstance(load, BaseException):
                 worker.kv_blocks_free = load.kv_blocks_free
@@ -282,8 +344,12 @@ class System:
     async def metrics_snapshot(self):
         from router.metrics import Snapshot, WorkerRow
 
-        rows = [WorkerRow(w.worker_id, w.info.role, "dead", None) if isinstance(load, BaseException)
-                else WorkerRow(w.worker_id, w.info.role, w.state, load) for w, load in await self.worker_loads()]
+        rows = [
+            WorkerRow(w.worker_id, w.info.role, "dead", None)
+            if isinstance(load, BaseException)
+            else WorkerRow(w.worker_id, w.info.role, w.state, load)
+            for w, load in await self.worker_loads()
+        ]
         return Snapshot(rows, self.router.active, self.router.waiting_for_kv)
 
     async def stats(self):
@@ -291,24 +357,34 @@ class System:
 
         router = self.router
         now = time.monotonic()
-        response = pb.GetStatsResponse(mode=self.config.mode, transport=self.config.transport, model=self.config.model,
-                                       requests_in_flight=len(router.in_flight),
-                                       requests_completed=router.requests_completed,
-                                       requests_failed=router.requests_failed,
-                                       autoscaler_decisions=self.autoscaler.decisions if self.autoscaler else [],
-                                       requests_waiting_for_kv=router.waiting_for_kv,
-                                       recent_ttft_p50_s=router.recent_p50(router.recent_first_tokens, now) or 0.0,
-                                       recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0,
-                                       max_context_tokens=self.limits.max_context_tokens,
-                                       model_context_tokens=self.limits.model_context_tokens,
-                                       slo=str(router.config.slo), slo_met=router.slo_met,
-                                       slo_finished=router.slo_finished)
+        response = pb.GetStatsResponse(
+            mode=self.config.mode,
+            transport=self.config.transport,
+            model=self.config.model,
+            requests_in_flight=len(router.in_flight),
+            requests_completed=router.requests_completed,
+            requests_failed=router.requests_failed,
+            autoscaler_decisions=self.autoscaler.decisions if self.autoscaler else [],
+            requests_waiting_for_kv=router.waiting_for_kv,
+            recent_ttft_p50_s=router.recent_p50(router.recent_first_tokens, now) or 0.0,
+            recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0,
+            max_context_tokens=self.limits.max_context_tokens,
+            model_context_tokens=self.limits.model_context_tokens,
+            slo=str(router.config.slo),
+            slo_met=router.slo_met,
+            slo_finished=router.slo_finished,
+        )
         for worker, load in await self.worker_loads():
             failed = isinstance(load, BaseException)
-            stats = response.workers.add(worker_id=worker.worker_id, role=worker.info.role, node=worker.info.node,
-                                         state=worker.state if not failed else "dead", threads=worker.info.num_threads,
-                                         cpus=self.config.worker_cpus,
-                                         kv_capacity_tokens=worker.info.kv_blocks_total * self.config.block_size_tokens)
+            stats = response.workers.add(
+                worker_id=worker.worker_id,
+                role=worker.info.role,
+                node=worker.info.node,
+                state=worker.state if not failed else "dead",
+                threads=worker.info.num_threads,
+                cpus=self.config.worker_cpus,
+                kv_capacity_tokens=worker.info.kv_blocks_total * self.config.block_size_tokens,
+            )
             if not failed:
                 stats.running_requests = load.running_requests
                 stats.waiting_requests = load.waiting_requests
@@ -344,12 +420,15 @@ def check_ports_free(config: ServeConfig) -> None:
             continue
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+            # a port in TIME_WAIT is free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((config.host, port))
             except OSError as error:
-                raise PortInUseError(f"cannot serve {name} on {config.host}:{port}: {error.strerror} "
-                                     f"(--{'http-' if name == 'HTTP' else ''}port)") from None
+                raise PortInUseError(
+                    f"cannot serve {name} on {config.host}:{port}: {error.strerror} "
+                    f"(--{'http-' if name == 'HTTP' else ''}port)"
+                ) from None
 
 
 async def start_system(config: ServeConfig) -> System:
@@ -368,24 +447,42 @@ async def start_system(config: ServeConfig) -> System:
     tokenizer = load_tokenizer(config.model)
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
-    router = Router(RouterConfig(config.mode, kv_timeout_s=config.kv_timeout_s, limits=admission,
-                                 stream_interval=config.stream_interval, pd=config.pd,
-                                 routing=config.routing_config, slo=config.slo_target), tokenizer,
-                    WorkerPool("prefill"), WorkerPool(decode_role))
+    router = Router(
+        RouterConfig(
+            config.mode,
+            kv_timeout_s=config.kv_timeout_s,
+            limits=admission,
+            stream_interval=config.stream_interval,
+            pd=config.pd,
+            routing=config.routing_config,
+            slo=config.slo_target,
+        ),
+        tokenizer,
+        WorkerPool("prefill"),
+        WorkerPool(decode_role),
+    )
     pools = PoolManager(config, router, epoch=int(time.time()))
-    await asyncio.gather(pools.add_workers(decode_role, config.num_decode),
-                         pools.add_workers("prefill", config.num_prefill if config.mode == "disaggregated" else 0))
+    await asyncio.gather(
+        pools.add_workers(decode_role, config.num_decode),
+        pools.add_workers("prefill", config.num_prefill if config.mode == "disaggregated" else 0),
+    )
     if config.transport == "rdt" and config.mode == "disaggregated":
         await pools.form_kv_group()
     # The context served is what every worker can hold: a prompt a worker cannot hold is refused at once.
-    infos = [worker.info for pool in (router.prefill_pool, router.decode_pool) for worker in pool.workers]
-    limits = ValidationLimits(max_context_tokens=min(info.max_context_tokens for info in infos),
-                              vocab_size=infos[0].vocab_size, model_context_tokens=infos[0].model_context_tokens)
+    infos = [
+        worker.info for pool in (router.prefill_pool, router.decode_pool) for worker in pool.workers
+    ]
+    limits = ValidationLimits(
+        max_context_tokens=min(info.max_context_tokens for info in infos),
+        vocab_size=infos[0].vocab_size,
+        model_context_tokens=infos[0].model_context_tokens,
+    )
     system = System(config, router, None, 0, None, pools, limits)
     servicer = GenerationServicer(router, limits, system.stats, pools.scale, config.credentials)
     try:
-        system.server, system.port, system.health = await start_grpc_server(servicer, config.host, config.port,
-                                                                            config.tls)
+        system.server, system.port, system.health = await start_grpc_server(
+            servicer, config.host, config.port, config.tls
+        )
         if config.http_port is not None:
             system.http_runner, system.http_port = await start_http(system, limits)
     except BaseException:  # a port taken since the check: stop what started, workers included
@@ -410,9 +507,18 @@ async def start_http(system: System, limits):
     from router.http_server import HttpFrontend, start_http_server
 
     config = system.config
-    frontend = HttpFrontend(system.router, limits, config.model_name, config.credentials, system.metrics_snapshot,
-                            system.pools.scale, lambda: system.ready)
-    return await start_http_server(frontend, config.host, config.http_port, _ssl_context(config.tls))
+    frontend = HttpFrontend(
+        system.router,
+        limits,
+        config.model_name,
+        config.credentials,
+        system.metrics_snapshot,
+        system.pools.scale,
+        lambda: system.ready,
+    )
+    return await start_http_server(
+        frontend, config.host, config.http_port, _ssl_context(config.tls)
+    )
 
 
 def _ssl_context(tls: Optional[tuple[str, str]]):

@@ -34,33 +34,59 @@ class _Prefilling:
 
 
 class PrefillWorker(ParkingEndpoints):
-    def __init__(self, worker_id: str, config: EngineConfig, transport: str, epoch: int, kv_lease_s: float = 30.0,
-                 cores: CorePolicy = CorePolicy()):
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        transport: str,
+        epoch: int,
+        kv_lease_s: float = 30.0,
+        cores: CorePolicy = CorePolicy(),
+    ):
         self.worker_id = worker_id
         self.engine = start_engine(config)
         self.kv_lease_s = kv_lease_s
-        self.sender = create_sender(transport, self.engine.kv_cache, self.engine.allocator, worker_id, epoch)
+        self.sender = create_sender(
+            transport, self.engine.kv_cache, self.engine.allocator, worker_id, epoch
+        )
         self._requests: dict[str, _Prefilling] = {}
         self._served = 0
         self.parking = Parking()
-        self.sender.between_header_and_payload = lambda request_id: self.parking.hold("transfer", request_id)
-        self.engine.allocator.track_events()  # its hash events travel to the router with each result
-        self.loop = EngineLoop(self.engine, hooks=(self._poll_sender,), on_output=self._on_output,
-                               expecting_events=lambda: self.sender.ledger.num_held_requests > 0,
-                               cores=share_cores(self.engine, cores))
+        self.sender.between_header_and_payload = lambda request_id: self.parking.hold(
+            "transfer", request_id
+        )
+        # its hash events travel to the router with each result
+        self.engine.allocator.track_events()
+        self.loop = EngineLoop(
+            self.engine,
+            hooks=(self._poll_sender,),
+            on_output=self._on_output,
+            expecting_events=lambda: self.sender.ledger.num_held_requests > 0,
+            cores=share_cores(self.engine, cores),
+        )
 
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, "prefill", None)
 
-    async def prefill(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                      destination: Optional[str], skip_blocks: int = 0) -> Optional[PrefillResult]:
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        destination: Optional[str],
+        skip_blocks: int = 0,
+    ) -> Optional[PrefillResult]:
         """The prompt's first token and KV handoff, which leaves out the first `skip_blocks` blocks (the
         decode worker holds them already); None when the request was aborted meanwhile."""
         outputs = self.loop.listen(request_id)
         try:
             self._requests[request_id] = _Prefilling(destination, time.monotonic(), skip_blocks)
             await self.parking.hold_async("queued", request_id)
-            await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params, hand_off_after_prefill=True))
+            await self.loop.call(
+                lambda: self.engine.add_request(
+                    request_id, prompt_ids, params, hand_off_after_prefill=True
+                )
+            )
             result = await outputs.get()
         except BaseException:
             self._requests.pop(request_id, None)
@@ -86,7 +112,8 @@ class PrefillWorker(ParkingEndpoints):
     def _abort(self, request_id: str) -> bool:
         found = self.engine.abort(request_id)
         if found:
-            self.loop.publish(request_id, None)  # its `prefill` call returns (None) instead of waiting for ever
+            # its `prefill` call returns (None) instead of waiting for ever
+            self.loop.publish(request_id, None)
         if request_id in self.sender.ledger.request_ids():
             self.sender.abort(request_id)
             found = True
@@ -106,7 +133,8 @@ class PrefillWorker(ParkingEndpoints):
         if output.handed_off:
             blocks = self.engine.detach_kv(output.request_id)
             skip = min(request.skip_blocks, len(blocks) - 1)
-            self.engine.allocator.free(blocks[:skip])  # not sent; they stay in this worker's prefix cache
+            # not sent; they stay in this worker's prefix cache
+            self.engine.allocator.free(blocks[:skip])
             blocks = blocks[skip:]
             kv_bytes = len(blocks) * self.engine.layout.bytes_per_block
             self.sender.start(output.request_id, blocks, request.destination, self.kv_lease_s)
@@ -114,9 +142,18 @@ class PrefillWorker(ParkingEndpoints):
             deliveries = (delivery,) if delivery is not None else ()
         self._served += 1
         return PrefillResult(
-            self.worker_id, output.new_token_ids[0], output.finish_reason, output.num_cached_prompt_tokens,
-            queue_s=max(0.0, now - request.arrival_s - prefill_s), prefill_s=prefill_s, kv_bytes=kv_bytes,
-            kv_sent_wall_s=sent_wall_s, deliveries=deliveries, kv_events=tuple(self.engine.allocator.drain_events()),
+            self.worker_id,
+            output.new_token_ids[0],
+            output.finish_reason,
+            output.num_cached_prompt_tokens,
+            queue_s=max(0.0, now - request.arrival_s - prefill_s),
+            prefill_s=prefill_s,
+            kv_bytes=kv_bytes,
+            kv_sent_wall_s=sent_wall_s,
+            deliveries=deliveries,
+            kv_events=tuple(self.engine.allocator.drain_events()),
             first_token_logprobs=output.logprobs[0] if output.logprobs else None,
-            prompt_logprobs=tuple(output.prompt_logprobs) if output.prompt_logprobs is not None else None,
+            prompt_logprobs=tuple(output.prompt_logprobs)
+            if output.prompt_logprobs is not None
+            else None,
         )

@@ -28,6 +28,8 @@ def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size_tokens: int)
     last token (whose logits must be computed)."""
     hashes, parent = [], NO_PARENT
     for index in range((len(prompt_token_ids) - 1) // block_size_tokens):
-        parent = chain_hash(parent, prompt_token_ids[index * block_size_tokens:(index + 1) * block_size_tokens])
+        parent = chain_hash(
+            parent, prompt_token_ids[index * block_size_tokens : (index + 1) * block_size_tokens]
+        )
         hashes.append(parent)
     return hashes

@@ -19,8 +19,10 @@ class PrefillResult:
     queue_s: float
     prefill_s: float
     kv_bytes: int
-    kv_sent_wall_s: float  # time.time() the KV handoff started (wall clock: comparable across processes)
-    deliveries: tuple[Any, ...] = ()  # routed transport messages (ray: header + ObjectRef); () in-band
+    # time.time() the KV handoff started (wall clock: comparable across processes)
+    kv_sent_wall_s: float
+    # routed transport messages (ray: header + ObjectRef); () in-band
+    deliveries: tuple[Any, ...] = ()
     # The worker's KV hash events since its previous result ((stored?, hash), oldest first): the router's
     # prefix index of the prefill pool is fed from these (protocol/token_stream.py's KVEvent).
     kv_events: tuple[tuple[bool, bytes], ...] = ()
@@ -37,14 +39,17 @@ class WorkerInfo:
     node: str
     kv_address: Optional[str]  # where KV senders reach this worker (grpc transport), else None
     kv_blocks_total: int
-    max_context_tokens: int  # what this worker serves: the model's context, or less if its KV cache holds less
+    # what this worker serves: the model's context, or less if its KV cache holds less
+    max_context_tokens: int
     vocab_size: int
     model_context_tokens: int = 0  # the model's own context
     num_threads: int = 1  # torch threads the worker computes with
-    dtype: str = "float32"  # the serving dtype, "auto" resolved: every worker of a system must agree
+    # the serving dtype, "auto" resolved: every worker of a system must agree
+    dtype: str = "float32"
     block_size_tokens: int = 16  # tokens per KV block: the unit of prefix caching and of KV shipped
     kv_block_bytes: int = 0  # one block's KV, all layers
-    dtype_reason: str = ""  # why `dtype`: "asked" or what "auto" saw (engine.weights.dtype_reason), and the CPU's ISA
+    # why `dtype`: "asked" or what "auto" saw (engine.weights.dtype_reason), and the CPU's ISA
+    dtype_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,11 @@ class WorkerLoad:
     max_batch_size_seen: int
     decode_steps: int = 0  # steps that decoded only (no prefill) since start, and their total time
     decode_steps_s: float = 0.0
-    borrowed_core_steps: int = 0  # engine steps run on cores borrowed from idle workers (runtime/cores.py)
+    # engine steps run on cores borrowed from idle workers (runtime/cores.py)
+    borrowed_core_steps: int = 0
     lent_core_wait_s: float = 0.0  # time this worker waited for a lent core to come back
-    lent_pauses: int = 0  # decode pauses that lent this worker's cores to a prefill within its TPOT slack
+    # decode pauses that lent this worker's cores to a prefill within its TPOT slack
+    lent_pauses: int = 0
     lent_pauses_s: float = 0.0
     rss_bytes: int = 0  # the worker process's resident memory
     gpus: tuple[GpuStats, ...] = ()

@@ -10,7 +10,8 @@ from typing import Optional, Sequence
 
 import msgpack
 
-WireLogprobs = tuple  # (token id, logprob, ((token id, logprob), ...)): engine.sampling_params.TokenLogprobs
+# (token id, logprob, ((token id, logprob), ...)): engine.sampling_params.TokenLogprobs
+WireLogprobs = tuple
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,8 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     finish_reason: Optional[str] = None
     error: Optional[str] = None  # the request failed on the worker (message says why)
-    kv_ready_wall_s: Optional[float] = None  # time.time() the KV became ready (first chunk, disaggregated)
+    # time.time() the KV became ready (first chunk, disaggregated)
+    kv_ready_wall_s: Optional[float] = None
     num_cached_prompt_tokens: int = 0
     # Asked for by the request: one (token id, logprob, ((token id, logprob), ...) top) per token of
     # `token_ids` (engine.sampling_params.TokenLogprobs, as plain tuples: this package imports no engine).
@@ -38,7 +40,8 @@ OUTPUT_STREAM_SERVICE = "pdserve.internal.v1.DecodeOutputs"
 OUTPUT_STREAM_METHOD = f"/{OUTPUT_STREAM_SERVICE}/Subscribe"
 OUTPUT_STREAM_VERSION = 3  # 3: chunks carry logprobs
 
-KVEvent = tuple[bool, bytes]  # (True, hash): the worker now holds a block with this hash; False: no longer
+# (True, hash): the worker now holds a block with this hash; False: no longer
+KVEvent = tuple[bool, bytes]
 
 
 _chunk_fields = operator.attrgetter(*(f.name for f in fields(TokenChunk)))
@@ -50,23 +53,30 @@ def encode_chunks(chunks: Sequence[TokenChunk], kv_events: Sequence[KVEvent] = (
 
 def decode_chunks(data: bytes) -> tuple[list[TokenChunk], list[KVEvent]]:
     chunks, kv_events = msgpack.unpackb(data)
-    return ([_chunk(request_id, token_ids, *rest) for request_id, token_ids, *rest in chunks],
-            [(bool(stored), block_hash) for stored, block_hash in kv_events])
+    return (
+        [_chunk(request_id, token_ids, *rest) for request_id, token_ids, *rest in chunks],
+        [(bool(stored), block_hash) for stored, block_hash in kv_events],
+    )
 
 
 def _chunk(request_id, token_ids, *rest) -> TokenChunk:
     chunk = TokenChunk(request_id, tuple(token_ids), *rest)
     if chunk.logprobs is None and chunk.prompt_logprobs is None:
         return chunk
-    return dataclasses.replace(chunk, logprobs=wire_logprobs(chunk.logprobs),
-                               prompt_logprobs=wire_logprobs(chunk.prompt_logprobs))
+    return dataclasses.replace(
+        chunk,
+        logprobs=wire_logprobs(chunk.logprobs),
+        prompt_logprobs=wire_logprobs(chunk.prompt_logprobs),
+    )
 
 
 def wire_logprobs(values) -> Optional[tuple]:
     """Logprobs as msgpack gives them back (arrays as lists) made tuples again (None stays None)."""
     if values is None:
         return None
-    return tuple(None if v is None else (v[0], v[1], tuple((t, lp) for t, lp in v[2])) for v in values)
+    return tuple(
+        None if v is None else (v[0], v[1], tuple((t, lp) for t, lp in v[2])) for v in values
+    )
 
 
 def encode_hello(worker_id: str, held_hashes: Sequence[bytes]) -> bytes:

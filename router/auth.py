@@ -39,21 +39,35 @@ class Credentials:
         if not self.configured:
             return
         token = _bearer(authorization)
-        is_admin = self.admin_token is not None and token is not None and _same(token, self.admin_token)
+        is_admin = (
+            self.admin_token is not None and token is not None and _same(token, self.admin_token)
+        )
         is_user = token is not None and any(_same(token, key) for key in self.api_keys)
         if admin:
             if is_admin:
                 return
             if self.admin_token is None:
-                raise AuthError(403, "admin calls are disabled: the server has API keys but no admin token "
-                                f"(--admin-token or {ADMIN_TOKEN_ENV})", "admin_disabled")
+                raise AuthError(
+                    403,
+                    "admin calls are disabled: the server has API keys but no admin token "
+                    f"(--admin-token or {ADMIN_TOKEN_ENV})",
+                    "admin_disabled",
+                )
             if is_user:
-                raise AuthError(403, "this call needs the admin token; an API key only grants the data plane", "admin_required")
+                raise AuthError(
+                    403,
+                    "this call needs the admin token; an API key only grants the data plane",
+                    "admin_required",
+                )
         elif is_admin or is_user or not self.api_keys:
             return
         if token is None:
-            raise AuthError(401, "missing credentials: send 'Authorization: Bearer <key>'", "missing_api_key")
-        raise AuthError(401, "invalid API key" if not admin else "invalid admin token", "invalid_api_key")
+            raise AuthError(
+                401, "missing credentials: send 'Authorization: Bearer <key>'", "missing_api_key"
+            )
+        raise AuthError(
+            401, "invalid API key" if not admin else "invalid admin token", "invalid_api_key"
+        )
 
 
 def _bearer(authorization: Optional[str]) -> Optional[str]:
@@ -80,8 +94,16 @@ def check_bind(host: str, credentials: Credentials, insecure: bool) -> None:
     """Refuses (ValueError) to serve beyond loopback with no API key and admin token, unless told to."""
     if is_loopback(host) or insecure:
         return
-    missing = [name for name, value in (("an API key", credentials.api_keys), ("an admin token", credentials.admin_token))
-               if not value]
+    missing = [
+        name
+        for name, value in (
+            ("an API key", credentials.api_keys),
+            ("an admin token", credentials.admin_token),
+        )
+        if not value
+    ]
     if missing:
-        raise ValueError(f"refusing to serve on {host} without {' and '.join(missing)}: set --api-key/{API_KEY_ENV} "
-                         f"and --admin-token/{ADMIN_TOKEN_ENV}, or pass --insecure to serve unauthenticated")
+        raise ValueError(
+            f"refusing to serve on {host} without {' and '.join(missing)}: set --api-key/{API_KEY_ENV} "
+            f"and --admin-token/{ADMIN_TOKEN_ENV}, or pass --insecure to serve unauthenticated"
+        )

@@ -26,7 +26,10 @@ class AutoscaleConfig:
     interval_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_prefill <= self.max_prefill or not 1 <= self.min_decode <= self.max_decode:
+        if (
+            not 1 <= self.min_prefill <= self.max_prefill
+            or not 1 <= self.min_decode <= self.max_decode
+        ):
             raise ValueError("autoscale bounds need 1 <= min <= max for both pools")
 
 
@@ -53,20 +56,36 @@ class Decision:
 @dataclass
 class AutoscalePolicy:
     config: AutoscaleConfig
-    _last_change_s: dict = field(default_factory=lambda: {"prefill": float("-inf"), "decode": float("-inf")})
+    _last_change_s: dict = field(
+        default_factory=lambda: {"prefill": float("-inf"), "decode": float("-inf")}
+    )
     _busy_since_s: dict = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
 
     def decide(self, now_s: float, signals: Signals) -> list[Decision]:
         c = self.config
         decisions = []
-        prefill_slow = ((signals.queue_p50_s or 0.0) > c.queue_target_s) or ((signals.ttft_p50_s or 0.0) > c.ttft_target_s)
+        prefill_slow = ((signals.queue_p50_s or 0.0) > c.queue_target_s) or (
+            (signals.ttft_p50_s or 0.0) > c.ttft_target_s
+        )
         decode_full = signals.decode_kv_use > c.kv_use_high or signals.waiting_for_kv > 0
         idle = signals.requests_in_flight == 0
         for pool, size, low, high, pressed, why in (
-            ("prefill", signals.prefill_workers, c.min_prefill, c.max_prefill, prefill_slow,
-             f"queue p50 {signals.queue_p50_s or 0:.2f} s / TTFT p50 {signals.ttft_p50_s or 0:.2f} s over target"),
-            ("decode", signals.decode_workers, c.min_decode, c.max_decode, decode_full,
-             f"KV use {signals.decode_kv_use:.0%}, {signals.waiting_for_kv} waiting for KV room"),
+            (
+                "prefill",
+                signals.prefill_workers,
+                c.min_prefill,
+                c.max_prefill,
+                prefill_slow,
+                f"queue p50 {signals.queue_p50_s or 0:.2f} s / TTFT p50 {signals.ttft_p50_s or 0:.2f} s over target",
+            ),
+            (
+                "decode",
+                signals.decode_workers,
+                c.min_decode,
+                c.max_decode,
+                decode_full,
+                f"KV use {signals.decode_kv_use:.0%}, {signals.waiting_for_kv} waiting for KV room",
+            ),
         ):
             if not idle:
                 self._busy_since_s[pool] = now_s
@@ -75,7 +94,11 @@ class AutoscalePolicy:
             if pressed and size < high:
                 decisions.append(Decision(pool, size + 1, f"grow: {why}"))
             elif idle and size > low and now_s - self._busy_since_s[pool] >= c.idle_s:
-                decisions.append(Decision(pool, size - 1, f"shrink: idle for {now_s - self._busy_since_s[pool]:.0f} s"))
+                decisions.append(
+                    Decision(
+                        pool, size - 1, f"shrink: idle for {now_s - self._busy_since_s[pool]:.0f} s"
+                    )
+                )
             else:
                 continue
             self._last_change_s[pool] = now_s

@@ -23,20 +23,32 @@ from router.validation import RequestValidationError, ValidationLimits, validate
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 8 << 20  # room for a 1 MiB prompt in any encoding; the validator enforces the real limit
+# room for a 1 MiB prompt in any encoding; the validator enforces the real limit
+MAX_MESSAGE_BYTES = 8 << 20
 SERVICE_NAME = "pdserve.v1.Generation"
-_STATUS = {"unavailable": grpc.StatusCode.UNAVAILABLE, "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-           "deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "internal": grpc.StatusCode.UNAVAILABLE,
-           "conflict": grpc.StatusCode.ALREADY_EXISTS}
+_STATUS = {
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "internal": grpc.StatusCode.UNAVAILABLE,
+    "conflict": grpc.StatusCode.ALREADY_EXISTS,
+}
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, limits: ValidationLimits, stats: Callable, scale: Callable,
-                 credentials: Credentials = Credentials()):
+    def __init__(
+        self,
+        router: Router,
+        limits: ValidationLimits,
+        stats: Callable,
+        scale: Callable,
+        credentials: Credentials = Credentials(),
+    ):
         self.router = router
         self.limits = limits
         self._stats = stats
-        self._scale = scale  # async (prefill: Optional[int], decode: Optional[int]) -> (ready prefill, ready decode)
+        # async (prefill: Optional[int], decode: Optional[int]) -> (ready prefill, ready decode)
+        self._scale = scale
         self.credentials = credentials
 
     async def _authorize(self, context, admin: bool) -> None:
@@ -45,7 +57,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.credentials.check(metadata.get("authorization"), admin)
         except AuthError as error:
             self.router.metrics.requests.labels("unauthorized").inc()
-            code = grpc.StatusCode.UNAUTHENTICATED if error.status == 401 else grpc.StatusCode.PERMISSION_DENIED
+            code = (
+                grpc.StatusCode.UNAUTHENTICATED
+                if error.status == 401
+                else grpc.StatusCode.PERMISSION_DENIED
+            )
             await context.abort(code, str(error))
 
     async def Generate(self, request, context):
@@ -58,7 +74,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         failure: Optional[tuple[grpc.StatusCode, str]] = None
         with request_context(validated.request_id):
-            try:  # past the client's deadline gRPC cancels this handler; closing the stream aborts the workers
+            # past the client's deadline gRPC cancels this handler; closing the stream aborts the
+            # workers
+            try:
                 async with contextlib.aclosing(self.router.generate(validated)) as stream:
                     async for item in stream:
                         response = _response(validated.request_id, item, validated.prompt_ids)
@@ -66,7 +84,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         yield response
             except grpc.aio.AbortError:
                 raise
-            except Exception as error:  # a Ray actor died or similar: the client gets a status, never a hang
+            except Exception as error:
+                # a Ray actor died or similar: the client gets a status, never a hang
                 kind, message = describe_failure(error, validated.request_id)
                 if kind == "overloaded":
                     context.set_trailing_metadata((("retry-after-s", "1"),))
@@ -110,7 +129,9 @@ def _tolerant(message_type) -> Callable[[bytes], object]:
         try:
             return message_type.FromString(data)
         except DecodeError as error:
-            return _Undecodable(f"the request is not a valid {message_type.DESCRIPTOR.full_name}: {error}")
+            return _Undecodable(
+                f"the request is not a valid {message_type.DESCRIPTOR.full_name}: {error}"
+            )
 
     return parse
 
@@ -122,13 +143,20 @@ async def _refuse_undecodable(request, context) -> None:
 
 def _add_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
     """The generated `add_GenerationServicer_to_server`, with request parsing that never raises."""
-    methods = {"Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
-               "Abort": (grpc.unary_unary_rpc_method_handler, pb.AbortRequest, pb.AbortResponse),
-               "GetStats": (grpc.unary_unary_rpc_method_handler, pb.GetStatsRequest, pb.GetStatsResponse),
-               "Scale": (grpc.unary_unary_rpc_method_handler, pb.ScaleRequest, pb.ScaleResponse)}
-    handlers = {name: handler(getattr(servicer, name), request_deserializer=_tolerant(request),
-                              response_serializer=response.SerializeToString)
-                for name, (handler, request, response) in methods.items()}
+    methods = {
+        "Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
+        "Abort": (grpc.unary_unary_rpc_method_handler, pb.AbortRequest, pb.AbortResponse),
+        "GetStats": (grpc.unary_unary_rpc_method_handler, pb.GetStatsRequest, pb.GetStatsResponse),
+        "Scale": (grpc.unary_unary_rpc_method_handler, pb.ScaleRequest, pb.ScaleResponse),
+    }
+    handlers = {
+        name: handler(
+            getattr(servicer, name),
+            request_deserializer=_tolerant(request),
+            response_serializer=response.SerializeToString,
+        )
+        for name, (handler, request, response) in methods.items()
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
@@ -137,16 +165,31 @@ def _response(request_id: str, item: StreamItem, prompt_ids: list[int]) -> "pb.G
     if item.logprobs is not None:
         response.logprobs.extend(_token_logprob(value) for value in item.logprobs)
     if item.prompt_logprobs is not None:
-        response.prompt_logprobs.extend(_token_logprob(value, token_id) for value, token_id
-                                        in zip(item.prompt_logprobs, prompt_ids))
+        response.prompt_logprobs.extend(
+            _token_logprob(value, token_id)
+            for value, token_id in zip(item.prompt_logprobs, prompt_ids)
+        )
     final = item.final
     if final is not None:
         response.finish_reason = final.finish_reason
-        response.usage.CopyFrom(pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-                                         cached_prompt_tokens=final.cached_prompt_tokens))
-        response.timings.CopyFrom(pb.Timings(ttft_s=final.ttft_s, tpot_s=final.tpot_s, queue_s=final.queue_s,
-                                             prefill_s=final.prefill_s, kv_bytes=final.kv_bytes,
-                                             kv_transfer_s=final.kv_transfer_s, e2e_s=final.e2e_s))
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=final.prompt_tokens,
+                completion_tokens=final.completion_tokens,
+                cached_prompt_tokens=final.cached_prompt_tokens,
+            )
+        )
+        response.timings.CopyFrom(
+            pb.Timings(
+                ttft_s=final.ttft_s,
+                tpot_s=final.tpot_s,
+                queue_s=final.queue_s,
+                prefill_s=final.prefill_s,
+                kv_bytes=final.kv_bytes,
+                kv_transfer_s=final.kv_transfer_s,
+                e2e_s=final.e2e_s,
+            )
+        )
         response.prefill_worker = final.prefill_worker
         response.decode_worker = final.decode_worker
     return response
@@ -155,29 +198,44 @@ def _response(request_id: str, item: StreamItem, prompt_ids: list[int]) -> "pb.G
 def _token_logprob(value: Optional[TokenLogprobs], token_id: int = 0) -> "pb.TokenLogprob":
     if value is None:  # the first prompt token
         return pb.TokenLogprob(token_id=token_id)
-    return pb.TokenLogprob(token_id=value.token_id, logprob=value.logprob,
-                           top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in value.top])
+    return pb.TokenLogprob(
+        token_id=value.token_id,
+        logprob=value.logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in value.top],
+    )
 
 
-async def start_grpc_server(servicer: GenerationServicer, host: str, port: int,
-                            tls: Optional[tuple[str, str]] = None) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+async def start_grpc_server(
+    servicer: GenerationServicer, host: str, port: int, tls: Optional[tuple[str, str]] = None
+) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Starts serving (TLS when `tls` is (certificate file, key file), both PEM); returns the server, the
     bound port (port 0 picks one) and the health servicer, which reports NOT_SERVING until the caller
     marks the system ready."""
     # so_reuseport off: with it (gRPC's default on Linux) a second server binds a running one's port and
     # the two split its clients silently.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
     _add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    names = (
+        pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
     reflection.enable_server_reflection(names, server)
     if tls is None:
         bound = server.add_insecure_port(f"{host}:{port}")
     else:
         certificate, key = (open(path, "rb").read() for path in tls)
-        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, certificate)]))
+        bound = server.add_secure_port(
+            f"{host}:{port}", grpc.ssl_server_credentials([(key, certificate)])
+        )
     if bound == 0:
         raise OSError(f"could not bind the gRPC server to {host}:{port}")
     await server.start()
@@ -191,6 +249,10 @@ async def _set_status(health_servicer, service: str, status) -> None:
 
 
 async def mark_serving(health_servicer, serving: bool = True) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     for name in ("", SERVICE_NAME):
         await _set_status(health_servicer, name, status)

@@ -48,7 +48,8 @@ from router.validation import (
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20  # as the gRPC server's message limit; the validator enforces the prompt limit
+# as the gRPC server's message limit; the validator enforces the prompt limit
+MAX_BODY_BYTES = 8 << 20
 
 
 @dataclass
@@ -69,9 +70,16 @@ class HttpFrontend:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
-        app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-                        web.get("/v1/models", self.models), web.get("/health", self.health),
-                        web.get("/metrics", self.prometheus), web.post("/admin/scale", self.admin_scale)])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.prometheus),
+                web.post("/admin/scale", self.admin_scale),
+            ]
+        )
         return app
 
     @web.middleware
@@ -84,7 +92,9 @@ class HttpFrontend:
         except web.HTTPException as error:
             if error.status < 400:
                 raise
-            return _error_response(ApiError(error.status, f"{error.reason}: {request.method} {request.path}"))
+            return _error_response(
+                ApiError(error.status, f"{error.reason}: {request.method} {request.path}")
+            )
 
     # -- data plane ------------------------------------------------------------------------------
 
@@ -96,31 +106,51 @@ class HttpFrontend:
 
     async def models(self, request: web.Request) -> web.Response:
         self._authorize(request, admin=False)
-        return web.json_response({"object": "list", "data": [{
-            "id": self.served_model, "object": "model", "created": int(self.started_s), "owned_by": "pdserve",
-            "max_model_len": self.limits.max_context_tokens}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.served_model,
+                        "object": "model",
+                        "created": int(self.started_s),
+                        "owned_by": "pdserve",
+                        "max_model_len": self.limits.max_context_tokens,
+                    }
+                ],
+            }
+        )
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-            raise ApiError(400, f"X-Request-Id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters", "X-Request-Id")
+            raise ApiError(
+                400,
+                f"X-Request-Id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters",
+                "X-Request-Id",
+            )
         with request_context(request_id):
             try:
                 self._authorize(request, admin=False)
                 parsed, validated = await self._parse(request, chat, request_id)
             except ApiError as error:
-                self.metrics.requests.labels("unauthorized" if error.status in (401, 403) else "invalid").inc()
+                self.metrics.requests.labels(
+                    "unauthorized" if error.status in (401, 403) else "invalid"
+                ).inc()
                 raise
             shape = self._shape(parsed, validated)
             stream = self.router.generate(validated)
             async with contextlib.aclosing(stream):
                 try:
-                    first = await anext(stream)  # failures before the first token still get their own status
+                    # failures before the first token still get their own status
+                    first = await anext(stream)
                 except Exception as error:
                     raise _api_error(error, validated.request_id) from error
                 if not parsed.stream:
                     return await _whole(stream, first, shape, validated.request_id)
-                return await _event_stream(request, stream, first, shape, validated.request_id, self.router)
+                return await _event_stream(
+                    request, stream, first, shape, validated.request_id, self.router
+                )
 
     def _shape(self, parsed: ParsedRequest, validated: ValidatedRequest) -> ResponseShape:
         if self._texts is None:
@@ -128,11 +158,23 @@ class HttpFrontend:
         prompt_text = ""
         if parsed.echo:
             prompt_text = parsed.request.text or self.router.tokenizer.decode(validated.prompt_ids)
-        return ResponseShape(parsed, self.served_model, validated.request_id, self._texts, validated.prompt_ids, prompt_text)
+        return ResponseShape(
+            parsed,
+            self.served_model,
+            validated.request_id,
+            self._texts,
+            validated.prompt_ids,
+            prompt_text,
+        )
 
-    async def _parse(self, request: web.Request, chat: bool, request_id: str) -> tuple[ParsedRequest, ValidatedRequest]:
+    async def _parse(
+        self, request: web.Request, chat: bool, request_id: str
+    ) -> tuple[ParsedRequest, ValidatedRequest]:
         if request.content_type != "application/json":
-            raise ApiError(415, f"Content-Type must be application/json, got {request.content_type or 'none'!r}")
+            raise ApiError(
+                415,
+                f"Content-Type must be application/json, got {request.content_type or 'none'!r}",
+            )
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as error:
@@ -155,8 +197,12 @@ class HttpFrontend:
         try:
             self.metrics.set_snapshot(await asyncio.wait_for(self.snapshot(), timeout=5.0))
         except asyncio.TimeoutError:
-            log.warning("/metrics: the workers' loads did not arrive within 5 s; serving the last snapshot")
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+            log.warning(
+                "/metrics: the workers' loads did not arrive within 5 s; serving the last snapshot"
+            )
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
+        )
 
     async def admin_scale(self, request: web.Request) -> web.Response:
         self._authorize(request, admin=True)
@@ -164,11 +210,15 @@ class HttpFrontend:
         sizes = {}
         for role in ("prefill", "decode"):
             value = body.get(role)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
                 raise invalid(role, f"must be a non-negative integer, got {value!r}")
             sizes[role] = value
         if set(body) - set(sizes):
-            raise invalid(sorted(set(body) - set(sizes))[0], "unrecognized argument (prefill, decode)")
+            raise invalid(
+                sorted(set(body) - set(sizes))[0], "unrecognized argument (prefill, decode)"
+            )
         try:
             prefill, decode = await self.scale(sizes["prefill"], sizes["decode"])
         except ValueError as error:
@@ -194,13 +244,25 @@ async def _whole(stream, first: StreamItem, shape: ResponseShape, request_id: st
     return web.json_response(shape.full(items))
 
 
-async def _event_stream(request: web.Request, stream, first: StreamItem, shape: ResponseShape, request_id: str,
-                        router: Router) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": request_id})
+async def _event_stream(
+    request: web.Request,
+    stream,
+    first: StreamItem,
+    shape: ResponseShape,
+    request_id: str,
+    router: Router,
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": request_id,
+        }
+    )
     await response.prepare(request)
     item, opening = first, True
-    pending: list[StreamItem] = []  # items not sent yet (tokens without text so far: their logprobs wait too)
+    # items not sent yet (tokens without text so far: their logprobs wait too)
+    pending: list[StreamItem] = []
     try:
         while True:
             pending.append(item)
@@ -231,8 +293,12 @@ def _api_error(error: Exception, request_id: str) -> ApiError:
     if isinstance(error, ApiError):
         return error
     kind, message = describe_failure(error, request_id)
-    return ApiError(_STATUS[kind], message, code="overloaded" if kind == "overloaded" else None,
-                    param="X-Request-Id" if kind == "conflict" else None)
+    return ApiError(
+        _STATUS[kind],
+        message,
+        code="overloaded" if kind == "overloaded" else None,
+        param="X-Request-Id" if kind == "conflict" else None,
+    )
 
 
 def _error_response(error: ApiError) -> web.Response:
@@ -240,7 +306,9 @@ def _error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status, headers=headers)
 
 
-async def start_http_server(frontend: HttpFrontend, host: str, port: int, ssl_context=None) -> tuple[web.AppRunner, int]:
+async def start_http_server(
+    frontend: HttpFrontend, host: str, port: int, ssl_context=None
+) -> tuple[web.AppRunner, int]:
     """Starts serving; returns the runner (`await runner.cleanup()` stops it) and the bound port."""
     frontend.started_s = time.time()
     runner = web.AppRunner(frontend.app(), handler_cancellation=True, access_log=None)

@@ -37,7 +37,8 @@ POLICIES = ("prefix", "load")
 class RoutingConfig:
     policy: str = "prefix"  # "load": pick workers by load alone
     prefix_weight: float = 1.0  # one cached prompt token offsets this many tokens of load
-    decode_stream_tokens: int = 64  # decode pool: one running request weighs like this many queued prompt tokens
+    # decode pool: one running request weighs like this many queued prompt tokens
+    decode_stream_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -106,27 +107,48 @@ class Candidate:
     cached_tokens: int  # what the index says this worker holds of the prompt
 
 
-def prompt_hashes(config: RoutingConfig, prompt_ids: Sequence[int], block_size_tokens: int) -> list[bytes]:
+def prompt_hashes(
+    config: RoutingConfig, prompt_ids: Sequence[int], block_size_tokens: int
+) -> list[bytes]:
     """The prompt's block hashes as the engines chain them; none under load routing."""
     return prompt_block_hashes(prompt_ids, block_size_tokens) if config.policy == "prefix" else []
 
 
-def rank(config: RoutingConfig, index: PrefixIndex, workers: Sequence[WorkerHandle], hashes: Sequence[bytes],
-         prompt_tokens: int, role: str) -> list[Candidate]:
+def rank(
+    config: RoutingConfig,
+    index: PrefixIndex,
+    workers: Sequence[WorkerHandle],
+    hashes: Sequence[bytes],
+    prompt_tokens: int,
+    role: str,
+) -> list[Candidate]:
     """`workers` (ready ones of one pool) best first for this prompt; `role`: "prefill" or "decode"."""
     if not workers:
         return []
     blocks = index.cached_blocks(hashes, (w.worker_id for w in workers)) if hashes else {}
-    candidates = [Candidate(w, blocks.get(w.worker_id, 0) * w.info.block_size_tokens) for w in workers]
+    candidates = [
+        Candidate(w, blocks.get(w.worker_id, 0) * w.info.block_size_tokens) for w in workers
+    ]
     if config.policy == "load":
-        return sorted(candidates, key=lambda c: (c.worker.queued_prompt_tokens, _streams(c.worker),
-                                                  -(c.worker.kv_blocks_free or 0)))
+        return sorted(
+            candidates,
+            key=lambda c: (
+                c.worker.queued_prompt_tokens,
+                _streams(c.worker),
+                -(c.worker.kv_blocks_free or 0),
+            ),
+        )
 
     def cost(candidate: Candidate) -> tuple[float, int, int]:
         worker = candidate.worker
         load = worker.queued_prompt_tokens + (
-            prompt_tokens if role == "prefill" else config.decode_stream_tokens * _streams(worker))
-        return (load - config.prefix_weight * candidate.cached_tokens, _streams(worker), -(worker.kv_blocks_free or 0))
+            prompt_tokens if role == "prefill" else config.decode_stream_tokens * _streams(worker)
+        )
+        return (
+            load - config.prefix_weight * candidate.cached_tokens,
+            _streams(worker),
+            -(worker.kv_blocks_free or 0),
+        )
 
     return sorted(candidates, key=cost)
 

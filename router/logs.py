@@ -36,9 +36,14 @@ class RequestIdFilter(logging.Filter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = {"ts": round(record.created, 6), "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
-                "level": record.levelname, "logger": record.name, "request_id": getattr(record, "request_id", "-"),
-                "message": record.getMessage()}
+        line = {
+            "ts": round(record.created, 6),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", "-"),
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False)

@@ -25,8 +25,30 @@ from prometheus_client.core import GaugeMetricFamily
 from protocol.messages import WorkerLoad
 from router.slo import RESULTS, SLO
 
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
-                     5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(16, 34, 1))  # 64 KiB .. 8 GiB
 OUTCOMES = ("stop", "length", "aborted", "error", "rejected", "invalid", "unauthorized")
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -54,53 +76,112 @@ class RouterMetrics:
         def histogram(name: str, text: str, buckets=LATENCY_BUCKETS_S) -> Histogram:
             return Histogram(name, text, buckets=buckets, registry=self.registry)
 
-        self.ttft = histogram("pdserve_time_to_first_token_seconds", "Request received to first token sent")
-        self.tpot = histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the first, per request")
-        self.itl = histogram("pdserve_inter_token_latency_seconds", "Gap between consecutive streamed messages of a request")
-        self.e2e = histogram("pdserve_e2e_request_latency_seconds", "Request received to last token sent")
-        self.queue = histogram("pdserve_request_queue_time_seconds", "Request received to prefill started")
-        self.kv_transfer = histogram("pdserve_kv_transfer_seconds", "KV handoff started on the prefill worker to KV ready on the decode worker")
-        self.kv_bytes = histogram("pdserve_kv_transfer_bytes", "KV bytes moved per request", BYTES_BUCKETS)
-        self.requests = Counter("pdserve_requests", "Requests by outcome: finish reason, aborted by the client, "
-                                "error, rejected (overload), invalid, unauthorized", ["outcome"], registry=self.registry)
+        self.ttft = histogram(
+            "pdserve_time_to_first_token_seconds", "Request received to first token sent"
+        )
+        self.tpot = histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+        )
+        self.itl = histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Gap between consecutive streamed messages of a request",
+        )
+        self.e2e = histogram(
+            "pdserve_e2e_request_latency_seconds", "Request received to last token sent"
+        )
+        self.queue = histogram(
+            "pdserve_request_queue_time_seconds", "Request received to prefill started"
+        )
+        self.kv_transfer = histogram(
+            "pdserve_kv_transfer_seconds",
+            "KV handoff started on the prefill worker to KV ready on the decode worker",
+        )
+        self.kv_bytes = histogram(
+            "pdserve_kv_transfer_bytes", "KV bytes moved per request", BYTES_BUCKETS
+        )
+        self.requests = Counter(
+            "pdserve_requests",
+            "Requests by outcome: finish reason, aborted by the client, "
+            "error, rejected (overload), invalid, unauthorized",
+            ["outcome"],
+            registry=self.registry,
+        )
         for outcome in OUTCOMES:
-            self.requests.labels(outcome)  # every series exists from the start (rate() needs a zero)
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
-        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=self.registry)
-        self.migrations = Counter("pdserve_migrations", "Requests re-run on healthy workers after a worker died under them",
-                                  registry=self.registry)
-        self.pd_decisions = Counter("pdserve_pd_decision", "Where disaggregated requests were prefilled: path "
-                                    "remote (the prefill pool) or local (their decode worker), and why "
-                                    "(router/pd_policy.py)", ["path", "reason"], registry=self.registry)
+            # every series exists from the start (rate() needs a zero)
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self.migrations = Counter(
+            "pdserve_migrations",
+            "Requests re-run on healthy workers after a worker died under them",
+            registry=self.registry,
+        )
+        self.pd_decisions = Counter(
+            "pdserve_pd_decision",
+            "Where disaggregated requests were prefilled: path "
+            "remote (the prefill pool) or local (their decode worker), and why "
+            "(router/pd_policy.py)",
+            ["path", "reason"],
+            registry=self.registry,
+        )
         self.routing_decisions = Counter(
-            "pdserve_routing_decision", "Which worker of a pool requests went to: reason prefix_hit (it held a "
-            "prefix of the prompt), no_hit, or load (--routing load) (router/kv_index.py)", ["pool", "reason"],
-            registry=self.registry)
+            "pdserve_routing_decision",
+            "Which worker of a pool requests went to: reason prefix_hit (it held a "
+            "prefix of the prompt), no_hit, or load (--routing load) (router/kv_index.py)",
+            ["pool", "reason"],
+            registry=self.registry,
+        )
         self.prefix_hit_tokens = Counter(
-            "pdserve_prefix_cache_hit_tokens", "Prompt tokens found in a worker's KV cache: not computed (prefill "
+            "pdserve_prefix_cache_hit_tokens",
+            "Prompt tokens found in a worker's KV cache: not computed (prefill "
             "pool, and local prefills on the decode pool) or not shipped (the decode pool's reused blocks)",
-            ["pool"], registry=self.registry)
+            ["pool"],
+            registry=self.registry,
+        )
         self.kv_bytes_reused = Counter(
-            "pdserve_kv_reused_bytes", "KV bytes not shipped to decode workers because they held those blocks "
-            "already", registry=self.registry)
+            "pdserve_kv_reused_bytes",
+            "KV bytes not shipped to decode workers because they held those blocks already",
+            registry=self.registry,
+        )
         # The SLO (router/slo.py): attainment = met / all results; rate(goodput) = vLLM's request goodput.
         self.slo_requests = Counter(
-            "pdserve_slo_requests", "Completed requests (finish reason stop or length) by how they fared against "
-            "the SLO (--slo): met, ttft_missed, tpot_missed, both_missed", ["result"], registry=self.registry)
+            "pdserve_slo_requests",
+            "Completed requests (finish reason stop or length) by how they fared against "
+            "the SLO (--slo): met, ttft_missed, tpot_missed, both_missed",
+            ["result"],
+            registry=self.registry,
+        )
         for result in RESULTS:
             self.slo_requests.labels(result)
-        self.slo_goodput = Counter("pdserve_slo_goodput_requests", "Completed requests that met both SLO targets "
-                                   "(rate(): goodput, as vLLM's --goodput counts it)", registry=self.registry)
-        self.slo_ttft_target = Gauge("pdserve_slo_ttft_target_seconds", "The SLO's time-to-first-token target",
-                                     registry=self.registry)
-        self.slo_tpot_target = Gauge("pdserve_slo_tpot_target_seconds", "The SLO's time-per-output-token target",
-                                     registry=self.registry)
+        self.slo_goodput = Counter(
+            "pdserve_slo_goodput_requests",
+            "Completed requests that met both SLO targets "
+            "(rate(): goodput, as vLLM's --goodput counts it)",
+            registry=self.registry,
+        )
+        self.slo_ttft_target = Gauge(
+            "pdserve_slo_ttft_target_seconds",
+            "The SLO's time-to-first-token target",
+            registry=self.registry,
+        )
+        self.slo_tpot_target = Gauge(
+            "pdserve_slo_tpot_target_seconds",
+            "The SLO's time-per-output-token target",
+            registry=self.registry,
+        )
         self.snapshot = Snapshot()
         self.registry.register(_PoolCollector(self))
 
     def observe_finished(self, final) -> None:
         """A request finished normally: its latencies, transfer and token counts (`final`: router.FinalInfo)."""
-        self.requests.labels({"abort": "aborted"}.get(final.finish_reason, final.finish_reason)).inc()
+        self.requests.labels(
+            {"abort": "aborted"}.get(final.finish_reason, final.finish_reason)
+        ).inc()
         self.ttft.observe(final.ttft_s)
         if final.completion_tokens > 1:
             self.tpot.observe(final.tpot_s)
@@ -140,39 +221,85 @@ class _PoolCollector:
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         snap = self.metrics.snapshot
-        workers = GaugeMetricFamily("pdserve_workers", "Workers by role and state", labels=["role", "state"])
-        for (role, state), count in sorted(collections.Counter((w.role, w.state) for w in snap.workers).items()):
+        workers = GaugeMetricFamily(
+            "pdserve_workers", "Workers by role and state", labels=["role", "state"]
+        )
+        for (role, state), count in sorted(
+            collections.Counter((w.role, w.state) for w in snap.workers).items()
+        ):
             workers.add_metric([role, state], count)
         yield workers
-        yield GaugeMetricFamily("pdserve_requests_running", "Requests in flight on the router", value=snap.requests_running)
-        yield GaugeMetricFamily("pdserve_requests_waiting_for_kv", "Requests waiting for KV room on a decode worker",
-                                value=snap.requests_waiting_for_kv)
-        per_worker = {name: GaugeMetricFamily(f"pdserve_worker_{name}", text, labels=["worker", "role"]) for name, text in (
-            ("running_requests", "Requests running on the worker"),
-            ("waiting_requests", "Requests queued on the worker"),
-            ("kv_blocks_free", "Free KV-cache blocks"),
-            ("kv_blocks_total", "KV-cache blocks"),
-            ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
-            ("rss_bytes", "Resident memory of the worker process"),
-            ("borrowed_core_steps", "Engine steps the worker ran on cores borrowed from idle workers of its node, since start"),
-            ("lent_core_wait_seconds", "Time the worker waited for its lent cores to come back, since start"),
-            ("lent_core_pauses", "Decode pauses that lent the worker's cores to a prefill within its TPOT slack, since start"),
-            ("lent_core_pause_seconds", "Time of those pauses, since start"),
-            ("gpu_available", "1 if the worker sees a GPU through NVML, else 0 (see pdserve_worker_gpu_info)"))}
-        gpu_info = GaugeMetricFamily("pdserve_worker_gpu_info", "Per worker: its GPU, or why it has none", labels=["worker", "gpu", "name", "note"])
-        gpu_memory = GaugeMetricFamily("pdserve_gpu_memory_used_bytes", "GPU memory in use", labels=["worker", "gpu"])
-        gpu_memory_total = GaugeMetricFamily("pdserve_gpu_memory_total_bytes", "GPU memory", labels=["worker", "gpu"])
-        gpu_util = GaugeMetricFamily("pdserve_gpu_utilization_ratio", "GPU utilisation (NVML)", labels=["worker", "gpu"])
+        yield GaugeMetricFamily(
+            "pdserve_requests_running",
+            "Requests in flight on the router",
+            value=snap.requests_running,
+        )
+        yield GaugeMetricFamily(
+            "pdserve_requests_waiting_for_kv",
+            "Requests waiting for KV room on a decode worker",
+            value=snap.requests_waiting_for_kv,
+        )
+        per_worker = {
+            name: GaugeMetricFamily(f"pdserve_worker_{name}", text, labels=["worker", "role"])
+            for name, text in (
+                ("running_requests", "Requests running on the worker"),
+                ("waiting_requests", "Requests queued on the worker"),
+                ("kv_blocks_free", "Free KV-cache blocks"),
+                ("kv_blocks_total", "KV-cache blocks"),
+                ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
+                ("rss_bytes", "Resident memory of the worker process"),
+                (
+                    "borrowed_core_steps",
+                    "Engine steps the worker ran on cores borrowed from idle workers of its node, since start",
+                ),
+                (
+                    "lent_core_wait_seconds",
+                    "Time the worker waited for its lent cores to come back, since start",
+                ),
+                (
+                    "lent_core_pauses",
+                    "Decode pauses that lent the worker's cores to a prefill within its TPOT slack, since start",
+                ),
+                ("lent_core_pause_seconds", "Time of those pauses, since start"),
+                (
+                    "gpu_available",
+                    "1 if the worker sees a GPU through NVML, else 0 (see pdserve_worker_gpu_info)",
+                ),
+            )
+        }
+        gpu_info = GaugeMetricFamily(
+            "pdserve_worker_gpu_info",
+            "Per worker: its GPU, or why it has none",
+            labels=["worker", "gpu", "name", "note"],
+        )
+        gpu_memory = GaugeMetricFamily(
+            "pdserve_gpu_memory_used_bytes", "GPU memory in use", labels=["worker", "gpu"]
+        )
+        gpu_memory_total = GaugeMetricFamily(
+            "pdserve_gpu_memory_total_bytes", "GPU memory", labels=["worker", "gpu"]
+        )
+        gpu_util = GaugeMetricFamily(
+            "pdserve_gpu_utilization_ratio", "GPU utilisation (NVML)", labels=["worker", "gpu"]
+        )
         for row in snap.workers:
             load, labels = row.load, [row.worker_id, row.role]
             if load is None:
                 continue
-            values = {"running_requests": load.running_requests, "waiting_requests": load.waiting_requests,
-                      "kv_blocks_free": load.kv_blocks_free, "kv_blocks_total": load.kv_blocks_total,
-                      "kv_cache_usage_ratio": 1 - load.kv_blocks_free / load.kv_blocks_total if load.kv_blocks_total else 0.0,
-                      "rss_bytes": load.rss_bytes, "borrowed_core_steps": load.borrowed_core_steps,
-                      "lent_core_wait_seconds": load.lent_core_wait_s, "lent_core_pauses": load.lent_pauses,
-                      "lent_core_pause_seconds": load.lent_pauses_s, "gpu_available": 1.0 if load.gpus else 0.0}
+            values = {
+                "running_requests": load.running_requests,
+                "waiting_requests": load.waiting_requests,
+                "kv_blocks_free": load.kv_blocks_free,
+                "kv_blocks_total": load.kv_blocks_total,
+                "kv_cache_usage_ratio": 1 - load.kv_blocks_free / load.kv_blocks_total
+                if load.kv_blocks_total
+                else 0.0,
+                "rss_bytes": load.rss_bytes,
+                "borrowed_core_steps": load.borrowed_core_steps,
+                "lent_core_wait_seconds": load.lent_core_wait_s,
+                "lent_core_pauses": load.lent_pauses,
+                "lent_core_pause_seconds": load.lent_pauses_s,
+                "gpu_available": 1.0 if load.gpus else 0.0,
+            }
             for name, value in values.items():
                 per_worker[name].add_metric(labels, value)
             if not load.gpus:

@@ -21,34 +21,80 @@ from pdserve_proto import pdserve_pb2 as pb
 from router.openai_logprobs import Entry, TokenTexts, chat_logprobs, completion_logprobs
 from router.output import FinalInfo, StreamItem
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
-               409: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-               503: "service_unavailable_error", 504: "timeout_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    409: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
 
 # Accepted only at these (neutral) values: the engine implements nothing else for them.
-_NEUTRAL = {"n": (1,), "best_of": (1,),
-            "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-            "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
-            "parallel_tool_calls": (True, False), "min_tokens": (0,), "functions": ([],), "function_call": ("none",)}
-_NEUTRAL_IN = {False: {"top_logprobs": (0,)}, True: {"echo": (False,)}}  # per endpoint (chat?): the other's feature
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stream", "stream_options", "stop", "seed",
-           "user", "ignore_eos", "stop_token_ids", "logprobs", "top_logprobs", "echo", *_NEUTRAL}
+_NEUTRAL = {
+    "n": (1,),
+    "best_of": (1,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+    "min_tokens": (0,),
+    "functions": ([],),
+    "function_call": ("none",),
+}
+# per endpoint (chat?): the other's feature
+_NEUTRAL_IN = {False: {"top_logprobs": (0,)}, True: {"echo": (False,)}}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "user",
+    "ignore_eos",
+    "stop_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    *_NEUTRAL,
+}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "response_format"})
 CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(
+        self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None
+    ):
         super().__init__(message)
         self.status = status
         self.param = param
         self.code = code
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": str(self),
+                "type": ERROR_TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def invalid(param: str, message: str) -> ApiError:
@@ -66,8 +112,10 @@ class ParsedRequest:
     max_tokens_param: str  # the name the client used, for error messages
     # Logprobs asked: completions' `logprobs=N`, chat's `top_logprobs` with `logprobs: true`; None: not.
     logprobs: Optional[int] = None
-    echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens') before the answer
-    echo_only: bool = False  # echo with max_tokens 0: the prompt scored, the one token generated is dropped
+    # completions: the prompt's text (and with logprobs, its tokens') before the answer
+    echo: bool = False
+    # echo with max_tokens 0: the prompt scored, the one token generated is dropped
+    echo_only: bool = False
 
 
 def parse_body(raw: bytes) -> dict:
@@ -78,7 +126,10 @@ def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ApiError(400, f"request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from error
+        raise ApiError(
+            400,
+            f"request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}",
+        ) from error
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body
@@ -93,20 +144,32 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 def parse_request(body: dict, chat: bool, served_model: str, request_id: str) -> ParsedRequest:
-    if _has_lone_surrogate(body):  # JSON's "\\ud800" escapes decode to text that no UTF-8 encoder takes
-        raise ApiError(400, "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not valid Unicode")
+    # JSON's "\\ud800" escapes decode to text that no UTF-8 encoder takes
+    if _has_lone_surrogate(body):
+        raise ApiError(
+            400,
+            "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not valid Unicode",
+        )
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise invalid(unknown[0], "unrecognized request argument")
     for name, neutral in {**_NEUTRAL, **_NEUTRAL_IN[chat]}.items():
         if name in body and not _is_neutral(body[name], neutral):
-            raise invalid(name, f"only {json.dumps(neutral[0])} is supported, got {json.dumps(body[name])[:40]}")
+            raise invalid(
+                name,
+                f"only {json.dumps(neutral[0])} is supported, got {json.dumps(body[name])[:40]}",
+            )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "is required (a string; GET /v1/models lists them)")
     if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served_model}`", "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{served_model}`",
+            "model",
+            "model_not_found",
+        )
 
     request = pb.GenerateRequest(request_id=request_id)
     if chat:
@@ -115,9 +178,15 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
             raise invalid("response_format", "only {'type': 'text'} is supported")
     else:
         _completion_prompt(body.get("prompt"), request)
-    max_tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens_param = (
+        "max_completion_tokens"
+        if chat and body.get("max_completion_tokens") is not None
+        else "max_tokens"
+    )
     echo = False if chat else _typed(body, "echo", bool, False)
-    echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    echo_only = (
+        echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    )
     if echo_only:  # as vLLM: one token is generated (the prefill's), and dropped from the answer
         body = {**body, "max_tokens": 1}
     _sampling(body, request.sampling, max_tokens_param)
@@ -132,11 +201,18 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
     if options is not None:
         if not stream:
             raise invalid("stream_options", "is only allowed when stream is true")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        if not isinstance(options, dict) or set(options) - {
+            "include_usage",
+            "continuous_usage_stats",
+        }:
             raise invalid("stream_options", "must be an object with include_usage (bool)")
-        include_usage = _typed(options, "include_usage", bool, False, "stream_options.include_usage")
+        include_usage = _typed(
+            options, "include_usage", bool, False, "stream_options.include_usage"
+        )
     _typed(body, "user", str, None)
-    return ParsedRequest(request, chat, stream, include_usage, max_tokens_param, logprobs, echo, echo_only)
+    return ParsedRequest(
+        request, chat, stream, include_usage, max_tokens_param, logprobs, echo, echo_only
+    )
 
 
 def _completion_logprobs(body: dict) -> Optional[int]:
@@ -145,7 +221,10 @@ def _completion_logprobs(body: dict) -> Optional[int]:
     if value is None:
         return None
     if not _KINDS[int][1](value) or not 0 <= value <= MAX_LOGPROBS:
-        raise invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {json.dumps(value)[:40]}")
+        raise invalid(
+            "logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {json.dumps(value)[:40]}",
+        )
     return value
 
 
@@ -154,7 +233,10 @@ def _chat_logprobs(body: dict) -> Optional[int]:
     asked = _typed(body, "logprobs", bool, False)
     top = body.get("top_logprobs")
     if top is not None and (not _KINDS[int][1](top) or not 0 <= top <= MAX_LOGPROBS):
-        raise invalid("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {json.dumps(top)[:40]}")
+        raise invalid(
+            "top_logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {json.dumps(top)[:40]}",
+        )
     if top and not asked:
         raise invalid("top_logprobs", "requires logprobs to be true")
     return (top or 0) if asked else None
@@ -163,7 +245,10 @@ def _chat_logprobs(body: dict) -> Optional[int]:
 _KINDS = {
     bool: ("a boolean", lambda v: isinstance(v, bool)),
     int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    float: ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    float: (
+        "a finite number",
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    ),
     str: ("a string", lambda v: isinstance(v, str)),
 }
 
@@ -190,7 +275,9 @@ def _completion_prompt(prompt: Any, request: "pb.GenerateRequest") -> None:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         request.text = prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
         if any(t < 0 or t >= 2**32 for t in prompt):
             raise invalid("prompt", "token ids must be non-negative")
         request.token_ids.ids.extend(prompt)
@@ -213,7 +300,10 @@ def _chat_prompt(messages: Any, request: "pb.GenerateRequest") -> None:
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid(f"{where}.role", "is required (a string)")
-        request.chat.messages.add(role=CHAT_ROLE_ALIASES.get(role, role), content=_content_text(message.get("content"), where))
+        request.chat.messages.add(
+            role=CHAT_ROLE_ALIASES.get(role, role),
+            content=_content_text(message.get("content"), where),
+        )
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -224,8 +314,15 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"{where}.content[{index}]", "only parts of {type: 'text', text: string} are supported")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise invalid(
+                    f"{where}.content[{index}]",
+                    "only parts of {type: 'text', text: string} are supported",
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(f"{where}.content", "must be a string or an array of text parts")
@@ -235,7 +332,11 @@ def _sampling(body: dict, sampling: "pb.SamplingParams", max_tokens_param: str) 
     max_tokens = _typed(body, max_tokens_param, int, None)
     if max_tokens is not None:
         if max_tokens < 1:
-            zero = " (0 only with echo: true, to score the prompt)" if max_tokens == 0 and "prompt" in body else ""
+            zero = (
+                " (0 only with echo: true, to score the prompt)"
+                if max_tokens == 0 and "prompt" in body
+                else ""
+            )
             raise invalid(max_tokens_param, f"must be >= 1{zero}, got {max_tokens}")
         sampling.max_tokens = min(max_tokens, 2**32 - 1)
     for name in ("temperature", "top_p"):
@@ -260,8 +361,9 @@ def _sampling(body: dict, sampling: "pb.SamplingParams", max_tokens_param: str) 
         raise invalid("stop", "must be a string or an array of strings")
     sampling.stop.extend(stops)
     stop_token_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
-                                                       for t in stop_token_ids):
+    if not isinstance(stop_token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in stop_token_ids
+    ):
         raise invalid("stop_token_ids", "must be an array of non-negative token ids")
     sampling.stop_token_ids.extend(stop_token_ids)
     sampling.ignore_eos = _typed(body, "ignore_eos", bool, False)
@@ -281,10 +383,14 @@ def openai_param(field: str, parsed: ParsedRequest) -> str:
 
 # -- responses ---------------------------------------------------------------------------------
 
+
 def usage_body(final: FinalInfo) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens}}
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens},
+    }
 
 
 def finish_reason(final: FinalInfo) -> str:
@@ -310,18 +416,26 @@ class ResponseShape:
         self.id = ("chatcmpl-" if self.parsed.chat else "cmpl-") + self.request_id
 
     def _envelope(self, chunk: bool) -> dict:
-        kind = ("chat.completion" if self.parsed.chat else "text_completion") + (".chunk" if chunk and self.parsed.chat else "")
+        kind = ("chat.completion" if self.parsed.chat else "text_completion") + (
+            ".chunk" if chunk and self.parsed.chat else ""
+        )
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _answer(self, items: Sequence[StreamItem], opening: bool) -> tuple[str, list[Entry]]:
         """The items' text and logprob entries; the opening one of an echo with the prompt's before them."""
         text = "".join(item.text for item in items)
-        entries = [entry for item in items if item.logprobs is not None
-                   for entry in zip(item.token_ids, item.logprobs)]
+        entries = [
+            entry
+            for item in items
+            if item.logprobs is not None
+            for entry in zip(item.token_ids, item.logprobs)
+        ]
         if self.parsed.echo_only:
             text, entries = "", []
         if self.parsed.echo and opening:
-            prompt_logprobs = next((item.prompt_logprobs for item in items if item.prompt_logprobs is not None), None)
+            prompt_logprobs = next(
+                (item.prompt_logprobs for item in items if item.prompt_logprobs is not None), None
+            )
             text = self.prompt_text + text
             entries = [*zip(self.prompt_ids, prompt_logprobs or ()), *entries]
         return text, entries
@@ -333,8 +447,14 @@ class ResponseShape:
             return chat_logprobs(entries, self.texts, self.parsed.logprobs)
         return completion_logprobs(entries, self.texts, self.parsed.logprobs, text_offset)
 
-    def _choice(self, text: Optional[str], reason: Optional[str], chunk: bool, first: bool = False,
-                logprobs: Optional[dict] = None) -> dict:
+    def _choice(
+        self,
+        text: Optional[str],
+        reason: Optional[str],
+        chunk: bool,
+        first: bool = False,
+        logprobs: Optional[dict] = None,
+    ) -> dict:
         if not self.parsed.chat:
             return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         if chunk:
@@ -342,7 +462,12 @@ class ResponseShape:
             if text:
                 delta["content"] = text
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": reason}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": reason,
+        }
 
     def full(self, items: Sequence[StreamItem]) -> dict:
         """The whole answer from all its stream items (the last one final)."""
@@ -355,10 +480,18 @@ class ResponseShape:
         """One SSE chunk of the items since the last one sent (their text, and logprobs of all their tokens)."""
         final = items[-1].final if items else None
         text, entries = self._answer(items, opening=first)
-        logprobs = self._logprobs(entries, self._streamed_chars) if entries or (first and self.parsed.echo) else None
+        logprobs = (
+            self._logprobs(entries, self._streamed_chars)
+            if entries or (first and self.parsed.echo)
+            else None
+        )
         self._streamed_chars += len(text)
-        body = {**self._envelope(True), "choices": [self._choice(text, finish_reason(final) if final else None, True, first,
-                                                                  logprobs)]}
+        body = {
+            **self._envelope(True),
+            "choices": [
+                self._choice(text, finish_reason(final) if final else None, True, first, logprobs)
+            ],
+        }
         if self.parsed.include_usage:
             body["usage"] = None
         return body

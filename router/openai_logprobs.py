@@ -17,7 +17,8 @@ from engine.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # what -inf is written as (JSON has no infinity), as OpenAI and vLLM do
 
-Entry = tuple[int, Optional[TokenLogprobs]]  # a token id and its logprobs (None: the first prompt token)
+# a token id and its logprobs (None: the first prompt token)
+Entry = tuple[int, Optional[TokenLogprobs]]
 
 
 class TokenTexts:
@@ -38,7 +39,9 @@ def _floor(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-def completion_logprobs(entries: Sequence[Entry], texts: TokenTexts, num_top: int, text_offset: int = 0) -> dict:
+def completion_logprobs(
+    entries: Sequence[Entry], texts: TokenTexts, num_top: int, text_offset: int = 0
+) -> dict:
     """The legacy completions' logprobs object of `entries`, the first token's text starting at `text_offset`."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, value in entries:
@@ -51,18 +54,34 @@ def completion_logprobs(entries: Sequence[Entry], texts: TokenTexts, num_top: in
             top_logprobs.append(None)
             continue
         token_logprobs.append(_floor(value.logprob))
-        ranked = [(token_id, value.logprob), *((t, lp) for t, lp in value.top if t != token_id)][: num_top + 1]
+        ranked = [(token_id, value.logprob), *((t, lp) for t, lp in value.top if t != token_id)][
+            : num_top + 1
+        ]
         top_logprobs.append({texts(t): _floor(lp) for t, lp in ranked})
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(entries: Sequence[Entry], texts: TokenTexts, num_top: int) -> dict:
-    return {"content": [_chat_entry(token_id, value.logprob, texts, value.top[:num_top]) for token_id, value in entries]}
+    return {
+        "content": [
+            _chat_entry(token_id, value.logprob, texts, value.top[:num_top])
+            for token_id, value in entries
+        ]
+    }
 
 
 def _chat_entry(token_id: int, logprob: float, texts: TokenTexts, top=None) -> dict:
     text = texts(token_id)
-    entry = {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+    entry = {
+        "token": text,
+        "logprob": _floor(logprob),
+        "bytes": list(text.encode("utf-8", errors="replace")),
+    }
     if top is not None:
         entry["top_logprobs"] = [_chat_entry(t, lp, texts) for t, lp in top]
     return entry

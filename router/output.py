@@ -19,7 +19,8 @@ class StreamItem:
     token_ids: list[int]
     text: str
     final: Optional["FinalInfo"] = None
-    logprobs: Optional[list[TokenLogprobs]] = None  # one per token of `token_ids`, when the request asked
+    # one per token of `token_ids`, when the request asked
+    logprobs: Optional[list[TokenLogprobs]] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # on the first item, when asked
 
 
@@ -53,7 +54,8 @@ class Progress:
     prompt_tokens: int
     detok: IncrementalDetokenizer
     stop_token_ids: frozenset
-    token_ids: list[int] = field(default_factory=list)  # streamed so far (a migration re-prefills them)
+    # streamed so far (a migration re-prefills them)
+    token_ids: list[int] = field(default_factory=list)
     first_token_s: Optional[float] = None
     last_item_s: Optional[float] = None
     completion_tokens: int = 0

@@ -32,18 +32,27 @@ class PDPolicyConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"--pd-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+            raise ValueError(
+                f"--pd-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
         if self.local_max_prompt_tokens < 0 or self.queue_margin_tokens < 0:
             raise ValueError("local_max_prompt_tokens and queue_margin_tokens must be >= 0")
 
 
 class Decision(NamedTuple):
     path: str  # "remote" or "local"
-    reason: str  # "policy", "short_prompt", "prefix_hit", "prefill_queue", "no_prefill_worker" or "default"
+    # "policy", "short_prompt", "prefix_hit", "prefill_queue", "no_prefill_worker" or "default"
+    reason: str
 
 
-def decide(config: PDPolicyConfig, prompt_tokens: int, remote_queue_tokens: int | None,
-           local_queue_tokens: int, remote_cached_tokens: int = 0, local_cached_tokens: int = 0) -> Decision:
+def decide(
+    config: PDPolicyConfig,
+    prompt_tokens: int,
+    remote_queue_tokens: int | None,
+    local_queue_tokens: int,
+    remote_cached_tokens: int = 0,
+    local_cached_tokens: int = 0,
+) -> Decision:
     """`remote_queue_tokens`: prompt tokens queued on the best prefill worker (None when the pool has
     none); `local_queue_tokens`: those queued for local prefill on the best decode worker; the cached
     tokens: how much of this prompt each of the two holds already."""
@@ -57,6 +66,9 @@ def decide(config: PDPolicyConfig, prompt_tokens: int, remote_queue_tokens: int 
     # Computed locally, the prompt also delays the decode worker's running streams by about as much
     # again: it counts twice there.
     if remote_queue_tokens + prompt_tokens - remote_cached_tokens >= (
-            local_queue_tokens + 2 * local_new + config.queue_margin_tokens):
-        return Decision("local", "prefix_hit" if local_cached_tokens > remote_cached_tokens else "prefill_queue")
+        local_queue_tokens + 2 * local_new + config.queue_margin_tokens
+    ):
+        return Decision(
+            "local", "prefix_hit" if local_cached_tokens > remote_cached_tokens else "prefill_queue"
+        )
     return Decision("remote", "default")

@@ -14,11 +14,14 @@ class WorkerHandle:
     actor: Any  # a Ray actor handle
     info: WorkerInfo
     in_flight: int = 0  # requests this router has routed here and not seen finish
-    queued_prompt_tokens: int = 0  # prompt tokens routed here to prefill whose first token has not come back
-    reserving: int = 0  # KV reservations on their way here, not yet tracked in `in_flight` (a drain waits for both)
+    # prompt tokens routed here to prefill whose first token has not come back
+    queued_prompt_tokens: int = 0
+    # KV reservations on their way here, not yet tracked in `in_flight` (a drain waits for both)
+    reserving: int = 0
     state: str = "ready"  # "ready", "draining", "stopping" or "dead"
     kv_blocks_free: Optional[int] = None  # refreshed from the worker's load reports
-    last_heard_s: float = 0.0  # time.monotonic() of its last sign of life: a call answered, a step of tokens
+    # time.monotonic() of its last sign of life: a call answered, a step of tokens
+    last_heard_s: float = 0.0
 
     @property
     def worker_id(self) -> str:

@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-DEFAULT_SLO = "auto"  # FAST_SLO where the workers serve bf16 (CUDA, CPUs with native bf16), else FP32_CPU_SLO
+# FAST_SLO where the workers serve bf16 (CUDA, CPUs with native bf16), else FP32_CPU_SLO
+DEFAULT_SLO = "auto"
 FAST_SLO = "ttft:1000,tpot:50"  # milliseconds: the interactive targets commonly quoted
 # fp32 on a CPU without native bf16 (AVX2 only) runs about 4x slower: the same targets scaled, as the
 # project's serving benchmarks judge such machines (benchmarks/vs_vllm.sh)
@@ -36,7 +37,9 @@ class SLO:
     def __post_init__(self) -> None:
         for name, value in (("ttft", self.ttft_s), ("tpot", self.tpot_s)):
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"SLO {name} must be a positive number of milliseconds, got {value * 1e3:g} ms")
+                raise ValueError(
+                    f"SLO {name} must be a positive number of milliseconds, got {value * 1e3:g} ms"
+                )
 
     @classmethod
     def resolve(cls, text: str, dtype: str = "auto", device: str = "auto") -> "SLO":
@@ -52,19 +55,27 @@ class SLO:
             key, sep, value = part.partition(":")
             key = key.strip().lower()
             if not sep or key not in _KEYS:
-                raise ValueError(f"SLO part {part!r}: expected ttft:MS or tpot:MS (e.g. {DEFAULT_SLO})")
+                raise ValueError(
+                    f"SLO part {part!r}: expected ttft:MS or tpot:MS (e.g. {DEFAULT_SLO})"
+                )
             if key in ms:
                 raise ValueError(f"SLO part {part!r}: {key} given twice")
             try:
                 number = float(value)
             except ValueError:
-                raise ValueError(f"SLO part {part!r}: {value!r} is not a number of milliseconds") from None
+                raise ValueError(
+                    f"SLO part {part!r}: {value!r} is not a number of milliseconds"
+                ) from None
             if not (math.isfinite(number) and number > 0):
-                raise ValueError(f"SLO part {part!r}: {key} must be a positive number of milliseconds")
+                raise ValueError(
+                    f"SLO part {part!r}: {key} must be a positive number of milliseconds"
+                )
             ms[key] = number
         missing = [key for key in _KEYS if key not in ms]
         if missing:
-            raise ValueError(f"SLO {text!r} lacks {' and '.join(missing)} (format ttft:MS,tpot:MS, e.g. {DEFAULT_SLO})")
+            raise ValueError(
+                f"SLO {text!r} lacks {' and '.join(missing)} (format ttft:MS,tpot:MS, e.g. {DEFAULT_SLO})"
+            )
         return cls(ttft_s=ms["ttft"] / 1e3, tpot_s=ms["tpot"] / 1e3)
 
     def __str__(self) -> str:
@@ -103,7 +114,8 @@ def auto_slo(dtype: str, device: str, cpu_flags: Optional[set[str]] = None) -> s
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:  # read once per process: ServeConfig.slo_target resolves it often
+# read once per process: ServeConfig.slo_target resolves it often
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:

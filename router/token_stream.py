@@ -38,7 +38,8 @@ log = logging.getLogger("router.router")
 
 class TokenStreams:
     def __init__(self, kv_index: Optional[PrefixIndex] = None) -> None:
-        self.kv_index = kv_index or PrefixIndex()  # fed with the hash events that travel with the tokens
+        # fed with the hash events that travel with the tokens
+        self.kv_index = kv_index or PrefixIndex()
         # worker request id -> (the decode worker holding it, its chunks)
         self._inboxes: dict[str, tuple[WorkerHandle, Inbox]] = {}
         self._subscriptions: dict[str, Subscription] = {}  # decode worker id -> its token stream
@@ -48,8 +49,15 @@ class TokenStreams:
         """Subscribes to a decode worker's token stream; returns once the subscription is in place, so
         nothing the worker emits for requests routed to it after this is lost."""
         address, secret = await worker.actor.output_address.remote()
-        subscription = Subscription(worker, address, secret, asyncio.get_running_loop(), self._take, self._lost,
-                                    self.kv_index)
+        subscription = Subscription(
+            worker,
+            address,
+            secret,
+            asyncio.get_running_loop(),
+            self._take,
+            self._lost,
+            self.kv_index,
+        )
         self._subscriptions[worker.worker_id] = subscription
         try:
             await asyncio.wait_for(asyncio.wrap_future(subscription.started), timeout_s)
@@ -87,7 +95,8 @@ class TokenStreams:
         when no step is being handed out)."""
         gate = self._write_gate
         if gate is not None and not gate.done():
-            await asyncio.shield(gate)  # a consumer cancelled here (its client left) must not cancel the gate
+            # a consumer cancelled here (its client left) must not cancel the gate
+            await asyncio.shield(gate)
 
     def _take(self, subscription: "Subscription") -> None:
         """On the loop: hands out every chunk the subscription's reader thread collected since the last
@@ -109,7 +118,9 @@ class TokenStreams:
             self.kv_index.forget(worker.worker_id)
         self._take(subscription)  # what it sent before is delivered
         if worker.state != "stopping":
-            log.warning("decode worker %s is gone (%s); failing its requests", worker.worker_id, error)
+            log.warning(
+                "decode worker %s is gone (%s); failing its requests", worker.worker_id, error
+            )
         worker.state = "dead"
         for holder, inbox in list(self._inboxes.values()):
             if holder is worker:
@@ -157,14 +168,22 @@ class Subscription:
     No gRPC keepalive: its pings, on a stream where the router never sends, trip the server's limits.
     The KV hash events that travel with the chunks go straight into `kv_index`, from this thread."""
 
-    def __init__(self, worker: WorkerHandle, address: str, secret: str, loop: asyncio.AbstractEventLoop,
-                 on_chunks: Callable[["Subscription"], None], on_lost: Callable[["Subscription", str], None],
-                 kv_index: PrefixIndex):
+    def __init__(
+        self,
+        worker: WorkerHandle,
+        address: str,
+        secret: str,
+        loop: asyncio.AbstractEventLoop,
+        on_chunks: Callable[["Subscription"], None],
+        on_lost: Callable[["Subscription", str], None],
+        kv_index: PrefixIndex,
+    ):
         """`on_chunks(self)` runs on `loop` when chunks wait in `take()`; `on_lost(self, error)` once the
         stream has ended."""
         self.worker = worker
         self._kv_index = kv_index
-        self.started: concurrent.futures.Future = concurrent.futures.Future()  # set once the worker's hello came
+        # set once the worker's hello came
+        self.started: concurrent.futures.Future = concurrent.futures.Future()
         self._on_chunks = on_chunks
         self._on_lost = on_lost
         self._loop = loop
@@ -172,7 +191,9 @@ class Subscription:
         self._lock = threading.Lock()
         self._cancel_reason: Optional[str] = None
         self._channel = grpc.insecure_channel(address)
-        self._call = self._channel.unary_stream(OUTPUT_STREAM_METHOD)(b"", metadata=(("authorization", secret),))
+        self._call = self._channel.unary_stream(OUTPUT_STREAM_METHOD)(
+            b"", metadata=(("authorization", secret),)
+        )
         threading.Thread(target=self._read, name=f"tokens-{worker.worker_id}", daemon=True).start()
 
     def cancel(self, reason: str) -> None:
@@ -212,7 +233,9 @@ class Subscription:
         finally:
             self._channel.close()
         if not self.started.done():
-            self.started.set_exception(WorkerError(f"decode worker {self.worker.worker_id}: no token stream ({error})"))
+            self.started.set_exception(
+                WorkerError(f"decode worker {self.worker.worker_id}: no token stream ({error})")
+            )
         try:
             self._loop.call_soon_threadsafe(self._on_lost, self, error)
         except RuntimeError:  # the router's loop is closed: the system has stopped
@@ -221,8 +244,10 @@ class Subscription:
     def _check_hello(self, data: bytes) -> None:
         version, worker_id, held = decode_hello(data)
         if version != OUTPUT_STREAM_VERSION or worker_id != self.worker.worker_id:
-            raise WorkerError(f"the token stream of {self.worker.worker_id} answered as {worker_id} with "
-                              f"version {version}, not {OUTPUT_STREAM_VERSION}")
+            raise WorkerError(
+                f"the token stream of {self.worker.worker_id} answered as {worker_id} with "
+                f"version {version}, not {OUTPUT_STREAM_VERSION}"
+            )
         self._kv_index.reset(worker_id, held)
         self.started.set_result(None)
 
@@ -234,8 +259,16 @@ def open_chunk(chunk) -> bool:
 def joined(first: TokenChunk, then: TokenChunk) -> TokenChunk:
     """Two consecutive chunks of one request as one."""
     return dataclasses.replace(
-        then, token_ids=first.token_ids + then.token_ids,
-        kv_ready_wall_s=first.kv_ready_wall_s if first.kv_ready_wall_s is not None else then.kv_ready_wall_s,
+        then,
+        token_ids=first.token_ids + then.token_ids,
+        kv_ready_wall_s=first.kv_ready_wall_s
+        if first.kv_ready_wall_s is not None
+        else then.kv_ready_wall_s,
         num_cached_prompt_tokens=max(first.num_cached_prompt_tokens, then.num_cached_prompt_tokens),
-        logprobs=None if first.logprobs is None and then.logprobs is None else (first.logprobs or ()) + (then.logprobs or ()),
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+        logprobs=None
+        if first.logprobs is None and then.logprobs is None
+        else (first.logprobs or ()) + (then.logprobs or ()),
+        prompt_logprobs=first.prompt_logprobs
+        if first.prompt_logprobs is not None
+        else then.prompt_logprobs,
+    )

@@ -25,7 +25,8 @@ class RequestValidationError(ValueError):
 
 @dataclass(frozen=True)
 class ValidationLimits:
-    max_context_tokens: int  # served: the model's context, or less where a worker's KV cache holds less
+    # served: the model's context, or less where a worker's KV cache holds less
+    max_context_tokens: int
     vocab_size: int
     max_prompt_bytes: int = 1 << 20
     max_tokens_default: int = 16
@@ -35,8 +36,10 @@ class ValidationLimits:
         model = self.model_context_tokens
         if not model or model == self.max_context_tokens:
             return f"the model's context is {self.max_context_tokens} tokens"
-        return (f"this server's context is {self.max_context_tokens} tokens (the model's is {model}; a worker's "
-                f"KV cache holds {self.max_context_tokens}: see --kv-cache-mib)")
+        return (
+            f"this server's context is {self.max_context_tokens} tokens (the model's is {model}; a worker's "
+            f"KV cache holds {self.max_context_tokens}: see --kv-cache-mib)"
+        )
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,9 @@ class ValidatedRequest:
 def _check_no_unknown_fields(message, path: str) -> None:
     unknown = UnknownFieldSet(message)
     if len(unknown):
-        raise RequestValidationError(path or "request", f"unknown field number {unknown[0].field_number}")
+        raise RequestValidationError(
+            path or "request", f"unknown field number {unknown[0].field_number}"
+        )
     for descriptor, value in message.ListFields():
         if descriptor.message_type is None:
             continue
@@ -63,14 +68,18 @@ def validate(request, tokenizer: Tokenizer, limits: ValidationLimits) -> Validat
     _check_no_unknown_fields(request, "")
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise RequestValidationError("request_id", f"must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+        raise RequestValidationError(
+            "request_id", f"must be printable and at most {MAX_REQUEST_ID_CHARS} characters"
+        )
     prompt_ids = _prompt_ids(request, tokenizer, limits)
     if not prompt_ids:
         raise RequestValidationError("prompt", "encodes to no tokens")
     if len(prompt_ids) >= limits.max_context_tokens:
         raise RequestValidationError(
-            "prompt", f"has {len(prompt_ids)} tokens; {limits.describe_context()} "
-            "(prompt plus at least one output token)")
+            "prompt",
+            f"has {len(prompt_ids)} tokens; {limits.describe_context()} "
+            "(prompt plus at least one output token)",
+        )
     params = _sampling_params(request.sampling, limits)
     room = limits.max_context_tokens - len(prompt_ids)
     if params.max_tokens > room:
@@ -86,7 +95,9 @@ def _prompt_ids(request, tokenizer: Tokenizer, limits: ValidationLimits) -> list
         if not request.text:
             raise RequestValidationError("prompt.text", "is empty")
         if len(request.text.encode("utf-8")) > limits.max_prompt_bytes:
-            raise RequestValidationError("prompt.text", f"is larger than {limits.max_prompt_bytes} bytes")
+            raise RequestValidationError(
+                "prompt.text", f"is larger than {limits.max_prompt_bytes} bytes"
+            )
         return tokenizer.encode(request.text)
     if kind == "token_ids":
         ids = list(request.token_ids.ids)
@@ -94,7 +105,10 @@ def _prompt_ids(request, tokenizer: Tokenizer, limits: ValidationLimits) -> list
             raise RequestValidationError("prompt.token_ids", "is empty")
         bad = next((t for t in ids if t >= limits.vocab_size), None)
         if bad is not None:
-            raise RequestValidationError("prompt.token_ids", f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+            raise RequestValidationError(
+                "prompt.token_ids",
+                f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+            )
         return ids
     messages = list(request.chat.messages)
     if not messages:
@@ -102,21 +116,30 @@ def _prompt_ids(request, tokenizer: Tokenizer, limits: ValidationLimits) -> list
     total_bytes = 0
     for index, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
-            raise RequestValidationError(f"prompt.chat.messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+            raise RequestValidationError(
+                f"prompt.chat.messages[{index}].role",
+                f"must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
+            )
         total_bytes += len(message.content.encode("utf-8"))
     if total_bytes > limits.max_prompt_bytes:
-        raise RequestValidationError("prompt.chat.messages", f"are larger than {limits.max_prompt_bytes} bytes in all")
+        raise RequestValidationError(
+            "prompt.chat.messages", f"are larger than {limits.max_prompt_bytes} bytes in all"
+        )
     if not any(m.content for m in messages):
         raise RequestValidationError("prompt.chat.messages", "hold no content")
     try:
         return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
     except Exception as error:  # a template's own raise_exception, e.g. roles out of order
-        raise RequestValidationError("prompt.chat.messages", f"rejected by the chat template: {error}") from error
+        raise RequestValidationError(
+            "prompt.chat.messages", f"rejected by the chat template: {error}"
+        ) from error
 
 
 def _sampling_params(sampling, limits: ValidationLimits) -> SamplingParams:
     fields = {
-        "max_tokens": sampling.max_tokens if sampling.HasField("max_tokens") else limits.max_tokens_default,
+        "max_tokens": sampling.max_tokens
+        if sampling.HasField("max_tokens")
+        else limits.max_tokens_default,
         "temperature": sampling.temperature if sampling.HasField("temperature") else 1.0,
         "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
         "top_k": sampling.top_k if sampling.HasField("top_k") else None,
@@ -125,11 +148,15 @@ def _sampling_params(sampling, limits: ValidationLimits) -> SamplingParams:
         "stop_token_ids": tuple(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,
         "logprobs": sampling.logprobs if sampling.HasField("logprobs") else None,
-        "prompt_logprobs": sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
+        "prompt_logprobs": sampling.prompt_logprobs
+        if sampling.HasField("prompt_logprobs")
+        else None,
     }
     bad_ids = [t for t in fields["stop_token_ids"] if t >= limits.vocab_size]
     if bad_ids:
-        raise RequestValidationError("sampling.stop_token_ids", f"token id {bad_ids[0]} is outside the vocabulary")
+        raise RequestValidationError(
+            "sampling.stop_token_ids", f"token id {bad_ids[0]} is outside the vocabulary"
+        )
     try:
         return SamplingParams(**fields)
     except ValueError as error:  # SamplingParams names the field first

@@ -77,7 +77,9 @@ class CorePolicy:
 
     def __post_init__(self) -> None:
         if self.lend not in POLICIES:
-            raise ValueError(f"--lend-cores must be one of {', '.join(POLICIES)}, got {self.lend!r}")
+            raise ValueError(
+                f"--lend-cores must be one of {', '.join(POLICIES)}, got {self.lend!r}"
+            )
 
     @property
     def path(self) -> Path:
@@ -91,8 +93,13 @@ class CoreShare:
     """One worker's side of the agreement. Used from its engine thread only: torch's thread count is
     the calling thread's."""
 
-    def __init__(self, policy: CorePolicy, home_threads: int, set_threads: Callable[[int], None],
-                 num_cores: Optional[int] = None):
+    def __init__(
+        self,
+        policy: CorePolicy,
+        home_threads: int,
+        set_threads: Callable[[int], None],
+        num_cores: Optional[int] = None,
+    ):
         """`set_threads`: torch.set_num_threads (this module stays torch-free: the router validates the
         policy)."""
         self.policy = policy
@@ -108,8 +115,10 @@ class CoreShare:
         self._core_fds = [self._open(f"core-{i}") for i in range(self.num_cores)]
         self._want_fds = [self._open(f"want-{i}") for i in range(self.num_cores)]
         self._ask_fds = [self._open(f"ask-{i}") for i in range(self.num_cores)]
-        self._asks: list[int] = []  # other workers' cores a prefill step under way asks for, lent or not
-        self.lent_pauses = 0  # decode pauses that lent the home cores to a prefill, and their total time
+        # other workers' cores a prefill step under way asks for, lent or not
+        self._asks: list[int] = []
+        # decode pauses that lent the home cores to a prefill, and their total time
+        self.lent_pauses = 0
         self.lent_pauses_s = 0.0
         self._holding_home = False
         self._missing: list[int] = []  # home cores still lent when it stopped waiting for them
@@ -127,6 +136,7 @@ class CoreShare:
 
     def _register(self) -> tuple[int, ...]:
         """This worker's home cores: the least used among live workers' (a dead one's are free again)."""
+
         def claim(homes: dict) -> tuple[int, ...]:
             use = [0] * self.num_cores
             for cores in homes.values():
@@ -134,7 +144,9 @@ class CoreShare:
                     if core < self.num_cores:
                         use[core] += 1
             count = min(self.home_threads, self.num_cores)
-            chosen = tuple(sorted(sorted(range(self.num_cores), key=lambda core: (use[core], core))[:count]))
+            chosen = tuple(
+                sorted(sorted(range(self.num_cores), key=lambda core: (use[core], core))[:count])
+            )
             homes[self._key] = list(chosen)
             return chosen
 
@@ -184,7 +196,11 @@ class CoreShare:
                 waiting = self._take_home(waiting)
             self.owner_waits_s += time.monotonic() - started
         if waiting:  # their want locks stay held, so no one borrows those cores again meanwhile
-            log.warning("home core(s) %s still lent after %.1f s: computing anyway", waiting, self.policy.owner_wait_s)
+            log.warning(
+                "home core(s) %s still lent after %.1f s: computing anyway",
+                waiting,
+                self.policy.owner_wait_s,
+            )
         self._missing = waiting
         self._holding_home = True
 
@@ -221,7 +237,8 @@ class CoreShare:
         lends = self.policy.lend == "all" or (self.policy.lend == "prefill" and is_prefill)
         self._borrowed = self._borrow() if lends else []
         if is_prefill and self.policy.tpot_budget_s is not None and not self._home_shared:
-            self._ask(sorted(self._lendable()))  # held for the whole step: an owner lends until it ends
+            # held for the whole step: an owner lends until it ends
+            self._ask(sorted(self._lendable()))
         if self._borrowed:
             self._use_threads(self.home_threads + len(self._borrowed))
             self.borrowed_steps += 1
@@ -237,7 +254,9 @@ class CoreShare:
 
     def _between_layers(self) -> None:
         self._hand_back_wanted()
-        taken = [core for core in self._asks if core not in self._borrowed and self._try_borrow(core)]
+        taken = [
+            core for core in self._asks if core not in self._borrowed and self._try_borrow(core)
+        ]
         if taken:
             if not self._borrowed:
                 self.borrowed_steps += 1
@@ -283,13 +302,16 @@ class CoreShare:
         return False
 
     def _hand_back_wanted(self) -> None:
-        wanted = [core for core in self._borrowed if not _try_lock(self._want_fds[core], fcntl.LOCK_EX)]
+        wanted = [
+            core for core in self._borrowed if not _try_lock(self._want_fds[core], fcntl.LOCK_EX)
+        ]
         for core in self._borrowed:
             if core not in wanted:
                 fcntl.flock(self._want_fds[core], fcntl.LOCK_UN)
         if wanted:
             self._borrowed = [core for core in self._borrowed if core not in wanted]
-            self._use_threads(self.home_threads + len(self._borrowed))  # fewer threads before the core is free
+            # fewer threads before the core is free
+            self._use_threads(self.home_threads + len(self._borrowed))
             for core in wanted:
                 fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
 
@@ -313,8 +335,13 @@ class CoreShare:
             except (OSError, ValueError):
                 return frozenset()
             self._registry_stamp = stamp
-            others = frozenset(core for key, cores in _live(homes).items() if key != self._key
-                               for core in cores if core < self.num_cores)
+            others = frozenset(
+                core
+                for key, cores in _live(homes).items()
+                if key != self._key
+                for core in cores
+                if core < self.num_cores
+            )
             self._home_shared = bool(others & frozenset(self.home))
             self._others_homes = others - frozenset(self.home)
         return self._others_homes

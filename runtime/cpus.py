@@ -37,11 +37,16 @@ def _affinity_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> Optional[float]:
+def cgroup_cpu_quota(
+    cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP
+) -> Optional[float]:
     """The CPU quota of this process's cgroup, in CPUs: the smallest set on its cgroup or an ancestor;
     None when none is set (v2 "max", v1 -1) or no cgroup file is readable."""
-    quotas = [quota for path in _quota_files(cgroup_root, self_cgroup)
-              if (quota := _read_quota(path)) is not None]
+    quotas = [
+        quota
+        for path in _quota_files(cgroup_root, self_cgroup)
+        if (quota := _read_quota(path)) is not None
+    ]
     return min(quotas, default=None)
 
 

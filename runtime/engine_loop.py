@@ -32,10 +32,15 @@ _SLACK_HORIZON_TOKENS = 64
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, hooks: tuple[Callable[[], None], ...] = (),
-                 on_output: Optional[Callable[[RequestOutput], Any]] = None,
-                 expecting_events: Callable[[], bool] = lambda: False, busy_wait_s: float = 0.002,
-                 cores: Optional[CoreShare] = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        hooks: tuple[Callable[[], None], ...] = (),
+        on_output: Optional[Callable[[RequestOutput], Any]] = None,
+        expecting_events: Callable[[], bool] = lambda: False,
+        busy_wait_s: float = 0.002,
+        cores: Optional[CoreShare] = None,
+    ):
         """`hooks` run on the loop thread before each step (transport polls); `on_output` turns each
         output into what is published; while `expecting_events()` (a transfer under way) the loop polls
         its hooks every `busy_wait_s` instead of sleeping. `cores`: this worker's share of the node's
@@ -55,7 +60,8 @@ class EngineLoop:
         self._stopped = False
         self.expecting_events = expecting_events
         self.max_batch_size_seen = 0
-        self.last_step_s = 0.0  # duration of the latest engine step (the prefill time of its outputs)
+        # duration of the latest engine step (the prefill time of its outputs)
+        self.last_step_s = 0.0
         self.decode_steps = 0  # steps that decoded only (no prefill), and their total time
         self.decode_steps_s = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -152,8 +158,11 @@ class EngineLoop:
         def slack_s(seq) -> float:
             tokens = len(seq.output_token_ids)
             final_tokens = max(tokens, min(seq.params.max_tokens, tokens + _SLACK_HORIZON_TOKENS))
-            return (share * budget_s * final_tokens - (now - seq.arrival_time_s)
-                    - (final_tokens - tokens + 1) * step_s)
+            return (
+                share * budget_s * final_tokens
+                - (now - seq.arrival_time_s)
+                - (final_tokens - tokens + 1) * step_s
+            )
 
         return min(slack_s(seq) for seq in scheduler.running)
 
@@ -177,7 +186,12 @@ class EngineLoop:
     def _compute(self, batch) -> Iterator[Callable[[], None]]:
         """Wraps a step's forward pass: its cores (borrowed, asked for) and, between layers, the calls
         that may run mid-step."""
-        with (self.cores.step(batch.is_prefill) if self.cores is not None else contextlib.nullcontext()) as cores_hook:
+        with (
+            self.cores.step(batch.is_prefill)
+            if self.cores is not None
+            else contextlib.nullcontext()
+        ) as cores_hook:
+
             def between_layers() -> None:
                 if cores_hook is not None:
                     cores_hook()
@@ -207,7 +221,10 @@ class EngineLoop:
             outputs = self.engine.step(self._compute)
         except Exception as error:
             log.exception("engine step failed; failing the requests in it")
-            for request_id in [s.request_id for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)]:
+            for request_id in [
+                s.request_id
+                for s in self.engine.scheduler.running + list(self.engine.scheduler.waiting)
+            ]:
                 self.engine.abort(request_id)
                 self.publish(request_id, error)
             return
@@ -218,7 +235,8 @@ class EngineLoop:
         for output in outputs:
             try:
                 item = self._on_output(output) if self._on_output else output
-            except Exception as error:  # e.g. a KV handoff that could not start: fail this request only
+            except Exception as error:
+                # e.g. a KV handoff that could not start: fail this request only
                 log.exception("handling the output of request %s failed", output.request_id)
                 self.engine.abort(output.request_id)
                 item = error

@@ -39,16 +39,28 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     threads = granted_cpus()
     torch.set_num_threads(threads)
     # "auto" resolves here, on the worker's node: cuda where Ray gave this actor a GPU (it asked for one).
-    config = dataclasses.replace(config, device=resolve_device(config.device), num_threads=threads, detokenize=False)
+    config = dataclasses.replace(
+        config, device=resolve_device(config.device), num_threads=threads, detokenize=False
+    )
     engine = LLMEngine(config)  # the router detokenizes
     # torch, Ray and the model (330k objects) are here for the process's life: frozen, they are out of
     # the collector's full passes, each otherwise a 160 ms pause in the middle of a decode step.
     gc.collect()
     gc.freeze()
     kernel = engine.loaded.model.layers[0].self_attn.decode_kernel
-    log.info("engine ready: model %s on %s, %s (asked: %s; CPU: %s), %d threads, %d KV blocks (%d tokens), decode "
-             "attention: %s", config.model, config.device, engine.layout.dtype, config.dtype, torch.backends.cpu.get_cpu_capability(),
-             threads, engine.allocator.num_blocks, engine.allocator.num_blocks * config.block_size_tokens, "paged kernel" if kernel is not None else "torch (gather + SDPA)")
+    log.info(
+        "engine ready: model %s on %s, %s (asked: %s; CPU: %s), %d threads, %d KV blocks (%d tokens), decode "
+        "attention: %s",
+        config.model,
+        config.device,
+        engine.layout.dtype,
+        config.dtype,
+        torch.backends.cpu.get_cpu_capability(),
+        threads,
+        engine.allocator.num_blocks,
+        engine.allocator.num_blocks * config.block_size_tokens,
+        "paged kernel" if kernel is not None else "torch (gather + SDPA)",
+    )
     return engine
 
 
@@ -58,7 +70,9 @@ def share_cores(engine: LLMEngine, policy: CorePolicy) -> Optional[CoreShare]:
     if policy.lend == "off" or torch.device(engine.config.device).type != "cpu":
         return None
     try:
-        return CoreShare(policy, engine.config.num_threads or torch.get_num_threads(), torch.set_num_threads)
+        return CoreShare(
+            policy, engine.config.num_threads or torch.get_num_threads(), torch.set_num_threads
+        )
     except OSError as error:  # no shared directory to agree in: compute on the home threads only
         log.warning("cores are not lent on this node: %s", error)
         return None
@@ -66,15 +80,29 @@ def share_cores(engine: LLMEngine, policy: CorePolicy) -> Optional[CoreShare]:
 
 def describe(engine: LLMEngine, worker_id: str, role: str, kv_address: Optional[str]) -> WorkerInfo:
     """The worker's `info()`: who it is and what it can serve."""
-    return WorkerInfo(worker_id, role, node_name(), kv_address, engine.allocator.num_blocks, engine.max_model_len,
-                      engine.model_config.vocab_size, engine.model_config.max_context_tokens, torch.get_num_threads(),
-                      engine.layout.dtype, engine.layout.block_size_tokens, engine.layout.bytes_per_block,
-                      _dtype_reason(engine.config))
+    return WorkerInfo(
+        worker_id,
+        role,
+        node_name(),
+        kv_address,
+        engine.allocator.num_blocks,
+        engine.max_model_len,
+        engine.model_config.vocab_size,
+        engine.model_config.max_context_tokens,
+        torch.get_num_threads(),
+        engine.layout.dtype,
+        engine.layout.block_size_tokens,
+        engine.layout.bytes_per_block,
+        _dtype_reason(engine.config),
+    )
 
 
 def _dtype_reason(config: EngineConfig) -> str:
-    where = (torch.cuda.get_device_name(config.device) if torch.device(config.device).type == "cuda"
-             else f"CPU {torch.backends.cpu.get_cpu_capability()}")
+    where = (
+        torch.cuda.get_device_name(config.device)
+        if torch.device(config.device).type == "cuda"
+        else f"CPU {torch.backends.cpu.get_cpu_capability()}"
+    )
     reason = dtype_reason(config.dtype, config.device)
     return reason if reason.startswith("auto") else f"{reason}; {where}"
 

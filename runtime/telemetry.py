@@ -52,24 +52,48 @@ def gpu_stats() -> tuple[tuple[GpuStats, ...], str]:
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)
             utilization = nvml.nvmlDeviceGetUtilizationRates(handle)
             name = nvml.nvmlDeviceGetName(handle)
-            stats.append(GpuStats(index, name.decode() if isinstance(name, bytes) else name, int(memory.used),
-                                  int(memory.total), utilization.gpu / 100.0))
+            stats.append(
+                GpuStats(
+                    index,
+                    name.decode() if isinstance(name, bytes) else name,
+                    int(memory.used),
+                    int(memory.total),
+                    utilization.gpu / 100.0,
+                )
+            )
     except Exception as error:
         return (), f"GPU telemetry failed ({type(error).__name__}: {error})"
     return tuple(stats), "" if stats else "no GPU visible to this worker"
 
 
-async def load_report(worker_id: str, loop, served: Callable[[], int],
-                      waiting_outside_engine: Callable[[], int] = lambda: 0) -> WorkerLoad:
+async def load_report(
+    worker_id: str,
+    loop,
+    served: Callable[[], int],
+    waiting_outside_engine: Callable[[], int] = lambda: 0,
+) -> WorkerLoad:
     """A worker's `load()`: its engine's queues and KV taken on the engine thread (`loop`: an
     `EngineLoop`), NVML and RSS read here (NVML calls take a while)."""
+
     def snapshot() -> WorkerLoad:
         scheduler, allocator = loop.engine.scheduler, loop.engine.allocator
-        return WorkerLoad(worker_id, len(scheduler.running), len(scheduler.waiting) + waiting_outside_engine(),
-                          allocator.num_free_blocks, allocator.num_blocks, served(), loop.max_batch_size_seen,
-                          loop.decode_steps, loop.decode_steps_s,
-                          loop.cores.borrowed_steps if loop.cores else 0, loop.cores.owner_waits_s if loop.cores else 0.0,
-                          loop.cores.lent_pauses if loop.cores else 0, loop.cores.lent_pauses_s if loop.cores else 0.0)
+        return WorkerLoad(
+            worker_id,
+            len(scheduler.running),
+            len(scheduler.waiting) + waiting_outside_engine(),
+            allocator.num_free_blocks,
+            allocator.num_blocks,
+            served(),
+            loop.max_batch_size_seen,
+            loop.decode_steps,
+            loop.decode_steps_s,
+            loop.cores.borrowed_steps if loop.cores else 0,
+            loop.cores.owner_waits_s if loop.cores else 0.0,
+            loop.cores.lent_pauses if loop.cores else 0,
+            loop.cores.lent_pauses_s if loop.cores else 0.0,
+        )
 
     gpus, gpu_note = gpu_stats()
-    return dataclasses.replace(await loop.call(snapshot), gpus=gpus, gpu_note=gpu_note, rss_bytes=rss_bytes())
+    return dataclasses.replace(
+        await loop.call(snapshot), gpus=gpus, gpu_note=gpu_note, rss_bytes=rss_bytes()
+    )

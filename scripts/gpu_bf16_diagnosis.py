@@ -29,7 +29,9 @@ TEXTS = ["What is the capital of France?", "List three prime numbers."]
 
 
 def answers(device: str, label: str, **config) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", device=device, kv_cache_bytes=256 << 20, **config))
+    engine = LLMEngine(
+        EngineConfig(dtype="bfloat16", device=device, kv_cache_bytes=256 << 20, **config)
+    )
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in TEXTS]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
     print(label, [engine.tokenizer.decode(o.token_ids) for o in outputs], flush=True)
@@ -38,25 +40,51 @@ def answers(device: str, label: str, **config) -> list[list[int]]:
 
 def layer_differences(device: str, dtype: torch.dtype, ids: list[int]) -> None:
     name = str(dtype).removeprefix("torch.")
-    engine = LLMEngine(EngineConfig(dtype=name, device=device, kv_cache_bytes=256 << 20, cuda_graphs=False))
+    engine = LLMEngine(
+        EngineConfig(dtype=name, device=device, kv_cache_bytes=256 << 20, cuda_graphs=False)
+    )
     hf = gpu_engine._hf_from_gguf(default_model_path(), dtype, device)
     model, states, n = engine.loaded.model, [], len(ids)
-    hooks = [layer.register_forward_hook(lambda m, i, o: states.append(o.detach().float())) for layer in model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o: states.append(o.detach().float()))
+        for layer in model.layers
+    ]
     blocks = torch.arange(4, 4 + -(-n // 16), device=device)  # any free blocks of a fresh engine
-    batch = ForwardBatch(positions=torch.arange(n, device=device), slot_mapping=torch.arange(n, device=device) + 4 * 16,
-                         prefill_slices=[PrefillSlice(0, n, n, blocks)], logits_indices=torch.tensor([n - 1], device=device))
-    logits = model(torch.tensor(ids, device=device), batch, engine.kv_cache.k_caches, engine.kv_cache.v_caches)[0]
+    batch = ForwardBatch(
+        positions=torch.arange(n, device=device),
+        slot_mapping=torch.arange(n, device=device) + 4 * 16,
+        prefill_slices=[PrefillSlice(0, n, n, blocks)],
+        logits_indices=torch.tensor([n - 1], device=device),
+    )
+    logits = model(
+        torch.tensor(ids, device=device), batch, engine.kv_cache.k_caches, engine.kv_cache.v_caches
+    )[0]
     for hook in hooks:
         hook.remove()
     with torch.no_grad():
         out = hf(torch.tensor([ids], device=device), output_hidden_states=True)
-    theirs = [h[0].float() for h in out.hidden_states][1:-1]  # each layer's output; the last one is normed
+    # each layer's output; the last one is normed
+    theirs = [h[0].float() for h in out.hidden_states][1:-1]
     for layer, (ours, reference) in enumerate(zip(states, theirs)):
-        print(name, "layer", layer, "max abs diff", round((ours - reference).abs().max().item(), 4),
-              "largest value", round(reference.abs().max().item(), 2))
+        print(
+            name,
+            "layer",
+            layer,
+            "max abs diff",
+            round((ours - reference).abs().max().item(), 4),
+            "largest value",
+            round(reference.abs().max().item(), 2),
+        )
     hf_logits = out.logits[0, -1].float()
-    print(name, "logits max abs diff", (logits - hf_logits).abs().max().item(),
-          "next token ours / HF", logits.argmax().item(), hf_logits.argmax().item(), flush=True)
+    print(
+        name,
+        "logits max abs diff",
+        (logits - hf_logits).abs().max().item(),
+        "next token ours / HF",
+        logits.argmax().item(),
+        hf_logits.argmax().item(),
+        flush=True,
+    )
 
 
 def main() -> None:

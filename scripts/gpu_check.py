@@ -50,10 +50,17 @@ def run_section(name: str, fn: Callable[[], dict]) -> dict:
     try:
         section = {"ok": True, **fn()}
     except Exception as error:
-        section = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+        section = {
+            "ok": False,
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exc()[-3000:],
+        }
     section["seconds"] = round(time.perf_counter() - started, 2)
-    print(f"[{name}] {'ok' if section['ok'] else 'FAILED: ' + section['error']} in {section['seconds']} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"[{name}] {'ok' if section['ok'] else 'FAILED: ' + section['error']} in {section['seconds']} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return section
 
 
@@ -62,34 +69,71 @@ def print_table(report: dict) -> None:
         shown = f"{value:.3g}" if isinstance(value, float) else str(value)
         print(f"  {section:<16} {what:<44} {shown}")
 
-    print(f"device check on {report['device_name']} ({report['device']}), torch {report['torch']}, {report['total_s']:.0f} s")
+    print(
+        f"device check on {report['device_name']} ({report['device']}), torch {report['torch']}, {report['total_s']:.0f} s"
+    )
     for name, section in report["sections"].items():
         if not section["ok"]:
             line(name, "FAILED", section["error"][:100])
             continue
         if name == "correctness":
-            line(name, "fp32 prompts token-identical to HF", f"{section['float32']['token_identical']}/{section['prompts']}")
+            line(
+                name,
+                "fp32 prompts token-identical to HF",
+                f"{section['float32']['token_identical']}/{section['prompts']}",
+            )
             if "fp32_graphs_identical_to_eager" in section:
-                line(name, "fp32 CUDA graphs identical to eager", section["fp32_graphs_identical_to_eager"])
+                line(
+                    name,
+                    "fp32 CUDA graphs identical to eager",
+                    section["fp32_graphs_identical_to_eager"],
+                )
             if "bfloat16" in section:
-                line(name, "bf16 prompts token-identical to HF bf16", f"{section['bfloat16']['token_identical']}/{section['prompts']}")
-                line(name, "bf16 agreement (share before first difference)", section["bfloat16"]["agreement"])
+                line(
+                    name,
+                    "bf16 prompts token-identical to HF bf16",
+                    f"{section['bfloat16']['token_identical']}/{section['prompts']}",
+                )
+                line(
+                    name,
+                    "bf16 agreement (share before first difference)",
+                    section["bfloat16"]["agreement"],
+                )
         elif name == "prefill_backend":
             for backend, state in section["backends"].items():
                 line(name, backend, state)
         elif name == "attention_accuracy":
             for case in section["prefill_bf16_max_abs_difference_vs_float64"]:
                 what = f"{case['heads']}/{case['kv_heads']} heads x {case['head_dim']}, {case['tokens']} tokens"
-                figures = {k: v for k, v in case.items() if k not in ("heads", "kv_heads", "head_dim", "tokens")}
-                line(name, what, " ".join(f"{k}={v:.2g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()))
+                figures = {
+                    k: v
+                    for k, v in case.items()
+                    if k not in ("heads", "kv_heads", "head_dim", "tokens")
+                }
+                line(
+                    name,
+                    what,
+                    " ".join(
+                        f"{k}={v:.2g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in figures.items()
+                    ),
+                )
             for case in section["decode_bf16_max_abs_difference_vs_float64"]:
                 what = f"decode {case['heads']}/{case['kv_heads']} heads x {case['head_dim']}"
-                figures = {k: v for k, v in case.items() if k not in ("heads", "kv_heads", "head_dim", "context_tokens")}
+                figures = {
+                    k: v
+                    for k, v in case.items()
+                    if k not in ("heads", "kv_heads", "head_dim", "context_tokens")
+                }
                 line(name, what, " ".join(f"{k}={v:.2g}" for k, v in figures.items()))
         elif name == "decode_kernel":
             for case in section["cases"]:
                 what = f"batch {case['batch']} x {case['context_tokens']} tokens, ms paged / gather"
-                line(name, what, f"{case['paged_ms']:.3f} / {case['gather_sdpa_ms']:.3f} (max diff {case['max_abs_difference']:.2g})")
+                line(
+                    name,
+                    what,
+                    f"{case['paged_ms']:.3f} / {case['gather_sdpa_ms']:.3f} (max diff {case['max_abs_difference']:.2g})",
+                )
         elif name == "engine_speed":
             for who in ("pdserve", "pdserve_eager", "hf_transformers"):
                 figures = section.get(who)
@@ -106,20 +150,45 @@ def print_table(report: dict) -> None:
                 line(name, what, "yes" if passed else "NO")
         elif name == "kv_handoff":
             for case in section["cases"]:
-                for key in ("device_copy_gb_s", "pinned_round_trip_gb_s", "cuda_ipc_gb_s", "grpc_gb_s"):
+                for key in (
+                    "device_copy_gb_s",
+                    "pinned_round_trip_gb_s",
+                    "cuda_ipc_gb_s",
+                    "grpc_gb_s",
+                ):
                     if key in case:
-                        line(name, f"{case['prompt_tokens']} tokens: {key.removesuffix('_gb_s')} GB/s", case[key])
+                        line(
+                            name,
+                            f"{case['prompt_tokens']} tokens: {key.removesuffix('_gb_s')} GB/s",
+                            case[key],
+                        )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda where torch sees one")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and model: exercises every code path in seconds")
-    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                        help="the speed section's dtype (default: bf16 on CUDA, fp32 on CPU, where bf16 linears are "
-                             "packed for oneDNN and HF cannot share them); correctness runs both")
-    parser.add_argument("--sections", default="correctness,prefill_backend,attention_accuracy,decode_kernel,engine_speed,kv_handoff",
-                        help="comma-separated, of those")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda where torch sees one",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes and model: exercises every code path in seconds",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="the speed section's dtype (default: bf16 on CUDA, fp32 on CPU, where bf16 linears are "
+        "packed for oneDNN and HF cannot share them); correctness runs both",
+    )
+    parser.add_argument(
+        "--sections",
+        default="correctness,prefill_backend,attention_accuracy,decode_kernel,engine_speed,kv_handoff",
+        help="comma-separated, of those",
+    )
     parser.add_argument("--out", default="gpu_check.json")
     args = parser.parse_args(argv)
 
@@ -129,7 +198,8 @@ def main(argv=None) -> int:
     sizes = QUICK if args.quick else FULL
     speed_dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if args.quick:
-        torch.set_num_threads(1)  # the CPU test shares its cores; spinning threads there slow torch 10x
+        # the CPU test shares its cores; spinning threads there slow torch 10x
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     checks = {
         "correctness": lambda: check_correctness(device, sizes),
@@ -144,10 +214,19 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {', '.join(checks)}")
     started = time.perf_counter()
-    report = {"device": device, "quick": args.quick, "torch": torch.__version__, "python": platform.python_version(),
-              "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
-              "command": " ".join(["scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
-              "sections": {}}
+    report = {
+        "device": device,
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device_name": torch.cuda.get_device_name()
+        if device.startswith("cuda")
+        else platform.processor() or "cpu",
+        "command": " ".join(
+            ["scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "sections": {},
+    }
     for name in chosen:
         report["sections"][name] = run_section(name, checks[name])
         if device.startswith("cuda"):

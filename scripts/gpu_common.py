@@ -36,9 +36,40 @@ class Sizes:
     repeats: int
 
 
-FULL = Sizes(6, 48, ("float32", "bfloat16"), "llama-3-8b", (128, 512, 1024, 4096), 512, 128, 64, 512, 128, 16 << 30, 8192,
-             ((64, 640), (1, 4096)), (1024, 8192), 5)
-QUICK = Sizes(1, 6, ("float32",), "tiny", (16, 64), 32, 8, 4, 32, 8, 16 << 20, 512, ((4, 40), (1, 200)), (64,), 2)
+FULL = Sizes(
+    6,
+    48,
+    ("float32", "bfloat16"),
+    "llama-3-8b",
+    (128, 512, 1024, 4096),
+    512,
+    128,
+    64,
+    512,
+    128,
+    16 << 30,
+    8192,
+    ((64, 640), (1, 4096)),
+    (1024, 8192),
+    5,
+)
+QUICK = Sizes(
+    1,
+    6,
+    ("float32",),
+    "tiny",
+    (16, 64),
+    32,
+    8,
+    4,
+    32,
+    8,
+    16 << 20,
+    512,
+    ((4, 40), (1, 200)),
+    (64,),
+    2,
+)
 
 
 class Clock:
@@ -61,4 +92,3 @@ def time_call(fn: Callable[[], object], clock: Clock, repeats: int) -> float:
         fn()
         times.append(clock() - started)
     return statistics.median(times)
-

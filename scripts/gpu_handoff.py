@@ -31,7 +31,9 @@ def _handoff_layout(quick: bool):
     from engine.kv_cache import KVLayout
 
     if quick:
-        return KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size_tokens=16, dtype="bfloat16")
+        return KVLayout(
+            num_layers=2, num_kv_heads=2, head_dim=64, block_size_tokens=16, dtype="bfloat16"
+        )
     return KVLayout.for_model(NAMED_SHAPES["llama-3-8b"], 16, torch.bfloat16)
 
 
@@ -44,7 +46,9 @@ def _grpc_receiver(device: str, quick: bool, num_blocks: int, requests, replies)
 
     layout = _handoff_layout(quick)
     allocator = BlockAllocator(num_blocks, layout.block_size_tokens, enable_prefix_caching=False)
-    receiver = create_receiver("grpc", PagedKVCache(layout, num_blocks, device), allocator, host="127.0.0.1", port=0)
+    receiver = create_receiver(
+        "grpc", PagedKVCache(layout, num_blocks, device), allocator, host="127.0.0.1", port=0
+    )
     replies.put(receiver.address)
     while (message := requests.get()) is not None:
         request_id, blocks = message
@@ -80,7 +84,9 @@ def _grpc_handoffs(device: str, sizes: Sizes, rows: list[dict]) -> None:
     num_blocks = max(row["prompt_tokens"] for row in rows) // layout.block_size_tokens + 1
     context = mp.get_context("spawn")
     requests, replies = context.Queue(), context.Queue()
-    receiver = context.Process(target=_grpc_receiver, args=(device, quick, num_blocks, requests, replies), daemon=True)
+    receiver = context.Process(
+        target=_grpc_receiver, args=(device, quick, num_blocks, requests, replies), daemon=True
+    )
     receiver.start()
     allocator = BlockAllocator(num_blocks, layout.block_size_tokens, enable_prefix_caching=False)
     cache = PagedKVCache(layout, num_blocks, device)
@@ -125,9 +131,15 @@ def check_kv_handoff(device: str, sizes: Sizes) -> dict:
         target = torch.empty_like(source)
         copy_s = time_call(lambda: target.copy_(source), clock, sizes.repeats)
         pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
-        staged_s = time_call(lambda: (pinned.copy_(source), target.copy_(pinned)), clock, sizes.repeats)
-        row = {"prompt_tokens": prompt_tokens, "kv_bytes": num_bytes,
-               "device_copy_gb_s": num_bytes / copy_s / 1e9, "pinned_round_trip_gb_s": num_bytes / staged_s / 1e9}
+        staged_s = time_call(
+            lambda: (pinned.copy_(source), target.copy_(pinned)), clock, sizes.repeats
+        )
+        row = {
+            "prompt_tokens": prompt_tokens,
+            "kv_bytes": num_bytes,
+            "device_copy_gb_s": num_bytes / copy_s / 1e9,
+            "pinned_round_trip_gb_s": num_bytes / staged_s / 1e9,
+        }
         rows.append(row)
     _grpc_handoffs(device, sizes, rows)
     if not device.startswith("cuda"):

@@ -37,8 +37,14 @@ def install() -> None:
     def profile(frame, event, arg):
         if event == "call":
             filename = frame.f_code.co_filename
-            if filename.startswith(root) and "/.venv/" not in filename and "/tests/" not in filename:
-                ticks[(os.path.relpath(filename, root), frame.f_code.co_qualname)].add(int(time.time() / _TICK_S))
+            if (
+                filename.startswith(root)
+                and "/.venv/" not in filename
+                and "/tests/" not in filename
+            ):
+                ticks[(os.path.relpath(filename, root), frame.f_code.co_qualname)].add(
+                    int(time.time() / _TICK_S)
+                )
 
     def dump() -> None:
         path = os.path.join(out, f"{os.getpid()}.json")
@@ -67,7 +73,9 @@ def _called_in(out: str, start_s: float, stop_s: float) -> set[tuple[str, str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     parser.add_argument("--transport", default="grpc", choices=["ray", "grpc"])
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -83,22 +91,43 @@ def main() -> int:
     from pdserve.client import PdserveClient
     from pdserve.system import ServeConfig, new_event_loop, start_system
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False,
-             runtime_env={"worker_process_setup_hook": install,  # pickled by value: workers need not import this file
-                          "env_vars": {_DIR_ENV: out, _ROOT_ENV: root}})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+        # pickled by value: workers need not import this file
+        runtime_env={
+            "worker_process_setup_hook": install,
+            "env_vars": {_DIR_ENV: out, _ROOT_ENV: root},
+        },
+    )
     install()
     loop = new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    wanted = dict(mode=args.mode, transport=args.transport, num_prefill=1, num_decode=1, port=0,
-                  kv_cache_bytes=64 << 20, dtype="float32", pd_policy="remote")
-    config = ServeConfig(**{k: v for k, v in wanted.items() if k in ServeConfig.__dataclass_fields__})  # older trees too
+    wanted = dict(
+        mode=args.mode,
+        transport=args.transport,
+        num_prefill=1,
+        num_decode=1,
+        port=0,
+        kv_cache_bytes=64 << 20,
+        dtype="float32",
+        pd_policy="remote",
+    )
+    config = ServeConfig(
+        **{k: v for k, v in wanted.items() if k in ServeConfig.__dataclass_fields__}
+    )  # older trees too
     system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(timeout=300)
     prompt = "Rivers shaped where people settled, traded and fought. " * 20
 
     def one(text: str):
         with PdserveClient(port=system.port, timeout_s=120) as client:
-            return client.generate(client.request(text, max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
+            return client.generate(
+                client.request(text, max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+            )
 
     for index in range(2):
         one(f"warm-up {index}. " + prompt)
@@ -113,15 +142,30 @@ def main() -> int:
     time.sleep(1.0)  # the dumps catch up
     idle = _called_in(out, idle_start, idle_stop)
     during = _called_in(out, request_start, request_stop)
-    journey = sorted((file, name) for file, name in during - idle
-                     if not file.startswith(("pdserve/client.py", "pdserve_proto/", "scripts/")))  # the client's side
+    journey = sorted(
+        (file, name)
+        for file, name in during - idle
+        # the client's side
+        if not file.startswith(("pdserve/client.py", "pdserve_proto/", "scripts/"))
+    )
     files = sorted({file for file, _ in journey})
-    print(json.dumps({"mode": args.mode, "transport": args.transport, "request_s": round(request_stop - request_start, 3),
-                      "tokens": len(done.token_ids), "files": len(files), "functions": len(journey),
-                      "serving_files": sum(not f.startswith("engine/") for f in files),
-                      "serving_functions": sum(not f.startswith("engine/") for f, _ in journey),
-                      "background_functions_also_called": len(during & idle), "by_file": {
-                          file: [name for f, name in journey if f == file] for file in files}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "transport": args.transport,
+                "request_s": round(request_stop - request_start, 3),
+                "tokens": len(done.token_ids),
+                "files": len(files),
+                "functions": len(journey),
+                "serving_files": sum(not f.startswith("engine/") for f in files),
+                "serving_functions": sum(not f.startswith("engine/") for f, _ in journey),
+                "background_functions_also_called": len(during & idle),
+                "by_file": {file: [name for f, name in journey if f == file] for file in files},
+            },
+            indent=1,
+        )
+    )
     asyncio.run_coroutine_threadsafe(system.stop(), loop).result(timeout=60)
     ray.shutdown()
     return 0

@@ -15,7 +15,8 @@ torch.set_num_threads(1)
 def pytest_collection_modifyitems(items):
     """Modules marked `own_ray_cluster` (they shut the session's shared cluster down and start their own)
     run first, so the shared one starts once: each start of it costs 10-20 s on this repo's machines."""
-    items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is None)  # stable: order kept otherwise
+    # stable: order kept otherwise
+    items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is None)
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +38,8 @@ def smollm_fp32():
 def hf_smollm_fp32(default_gguf):
     from tests.hf_reference import hf_model
 
-    return hf_model(default_gguf, torch.float32)  # transformers' own reading of the GGUF file, converted once
+    # transformers' own reading of the GGUF file, converted once
+    return hf_model(default_gguf, torch.float32)
 
 
 @pytest.fixture(scope="session")

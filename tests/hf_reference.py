@@ -22,8 +22,12 @@ def hf_directory(gguf: Path) -> Path:
     import transformers
 
     def convert(folder: Path) -> None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name
+        )
         # Loaded from GGUF, transformers marks the (dequantized, dense) model as quantized, which it will not save.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -38,7 +42,9 @@ def hf_model(gguf: Path, dtype):
     """transformers' `AutoModelForCausalLM` of `gguf` in `dtype`, in eval mode."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_directory(gguf)), dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_directory(gguf)), dtype=dtype
+    ).eval()
 
 
 def hf_tokenizer(gguf: Path):

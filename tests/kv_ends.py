@@ -23,8 +23,10 @@ class KVEnd:
 
     @classmethod
     def make(cls, layout: KVLayout, num_blocks: int) -> "KVEnd":
-        return cls(PagedKVCache(layout, num_blocks), BlockAllocator(num_blocks, layout.block_size_tokens,
-                                                                    enable_prefix_caching=False))
+        return cls(
+            PagedKVCache(layout, num_blocks),
+            BlockAllocator(num_blocks, layout.block_size_tokens, enable_prefix_caching=False),
+        )
 
     def fill_random(self, block_ids: Sequence[int], seed: int = 0) -> None:
         """Arbitrary bit patterns (NaNs and infinities included), so equality below is bit equality."""
@@ -46,17 +48,32 @@ class KVEndWorker:
     """One end of a handoff as a Ray actor body (`ray.remote(num_cpus=1)(KVEndWorker)`): a cache, an
     allocator and a sender or receiver of the named transport. Used by tests and the benchmark."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, transport: str, role: str, torch_threads: int = 1,
-                 **transport_options):
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        transport: str,
+        role: str,
+        torch_threads: int = 1,
+        **transport_options,
+    ):
         from kvtransfer.registry import create_receiver, create_sender
 
         torch.set_num_threads(torch_threads)
         self.end = KVEnd.make(layout, num_blocks)
         if role == "sender":
-            self.side = create_sender(transport, self.end.cache, self.end.allocator, "prefill-test", 1,
-                                      **transport_options)
+            self.side = create_sender(
+                transport,
+                self.end.cache,
+                self.end.allocator,
+                "prefill-test",
+                1,
+                **transport_options,
+            )
         else:
-            self.side = create_receiver(transport, self.end.cache, self.end.allocator, **transport_options)
+            self.side = create_receiver(
+                transport, self.end.cache, self.end.allocator, **transport_options
+            )
 
     def address(self):
         return self.side.address

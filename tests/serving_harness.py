@@ -14,7 +14,9 @@ class RunningSystem:
     def __init__(self, loop: asyncio.AbstractEventLoop, config: ServeConfig):
         self.loop = loop
         self.config = config
-        self.system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(timeout=300)
+        self.system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(
+            timeout=300
+        )
         self.port = self.system.port
 
     def client(self, timeout_s: float = 120) -> PdserveClient:
@@ -31,7 +33,9 @@ class RunningSystem:
         while True:
             stats = self.stats()
             settled = stats.requests_in_flight == 0 and all(
-                w.kv_blocks_total > 0 and w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+                w.kv_blocks_total > 0 and w.kv_blocks_free == w.kv_blocks_total
+                for w in stats.workers
+            )
             if settled or time.monotonic() > deadline:
                 return stats
             time.sleep(0.2)
@@ -51,7 +55,9 @@ class Harness:
         self._num_cpus = num_cpus
         self._core_dir = core_dir
         self.loop = new_event_loop()  # the loop the router serves on
-        self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="router-loop", daemon=True
+        )
         self._thread.start()
         self._ray_started = False
         self._running: list[RunningSystem] = []
@@ -61,14 +67,23 @@ class Harness:
 
         if not ray.is_initialized():
             # sizes the local cluster's CPU count: max(this machine's cores, num_cpus)
-            init_ray(ServeConfig(num_prefill=1, num_decode=max(1, self._num_cpus - 1), cpus_per_worker=1.0))
+            init_ray(
+                ServeConfig(
+                    num_prefill=1, num_decode=max(1, self._num_cpus - 1), cpus_per_worker=1.0
+                )
+            )
             self._ray_started = True
         # fp32 unless told: the tests compare with HF transformers in fp32, whatever this CPU prefers; every
         # disaggregated request through the prefill pool unless told (tests of the local path ask for it)
         # and the test run's own directory for lending cores, so a pdserve serving beside the tests on this
         # machine does not change which cores its workers lend
-        defaults = {"port": 0, "kv_cache_bytes": 64 << 20, "dtype": "float32", "pd_policy": "remote",
-                    "core_dir": self._core_dir}
+        defaults = {
+            "port": 0,
+            "kv_cache_bytes": 64 << 20,
+            "dtype": "float32",
+            "pd_policy": "remote",
+            "core_dir": self._core_dir,
+        }
         system = RunningSystem(self.loop, ServeConfig(**{**defaults, **config}))
         self._running.append(system)
         return system

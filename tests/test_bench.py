@@ -21,31 +21,84 @@ from pdserve.bench import (
     sweep,
 )
 
-METRIC_FIELDS = [f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
-                 for stat in ("mean", "median", "std", "p50", "p99")]
-RESULT_FIELDS = ["request_rate", "burstiness", "max_concurrency", "completed", "failed", "duration_s",
-                 "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
-                 "output_throughput", "total_token_throughput", "max_concurrent_requests", "distinct_errors",
-                 "requests", *METRIC_FIELDS]
-PER_REQUEST_FIELDS = ["input_lens", "output_lens", "ttfts_s", "itls_s", "e2els_s", "start_times_s", "errors"]
+METRIC_FIELDS = [
+    f"{stat}_{metric}_ms"
+    for metric in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p50", "p99")
+]
+RESULT_FIELDS = [
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_concurrent_requests",
+    "distinct_errors",
+    "requests",
+    *METRIC_FIELDS,
+]
+PER_REQUEST_FIELDS = [
+    "input_lens",
+    "output_lens",
+    "ttfts_s",
+    "itls_s",
+    "e2els_s",
+    "start_times_s",
+    "errors",
+]
 
 
 def _records() -> list[RequestRecord]:
     return [
-        RequestRecord(True, prompt_len=10, output_len=5, ttft_s=0.1, itls_s=[0.05, 0.05, 0.1, 0.2], e2el_s=0.5, start_s=0.0),
-        RequestRecord(True, prompt_len=20, output_len=3, ttft_s=0.3, itls_s=[0.1, 0.3], e2el_s=0.7, start_s=0.1),
-        RequestRecord(True, prompt_len=5, output_len=1, ttft_s=0.2, itls_s=[], e2el_s=0.2, start_s=0.2),
-        RequestRecord(False, prompt_len=7, output_len=0, ttft_s=None, itls_s=[], e2el_s=0.05, start_s=0.3,
-                      error="UNAVAILABLE: gone"),
+        RequestRecord(
+            True,
+            prompt_len=10,
+            output_len=5,
+            ttft_s=0.1,
+            itls_s=[0.05, 0.05, 0.1, 0.2],
+            e2el_s=0.5,
+            start_s=0.0,
+        ),
+        RequestRecord(
+            True,
+            prompt_len=20,
+            output_len=3,
+            ttft_s=0.3,
+            itls_s=[0.1, 0.3],
+            e2el_s=0.7,
+            start_s=0.1,
+        ),
+        RequestRecord(
+            True, prompt_len=5, output_len=1, ttft_s=0.2, itls_s=[], e2el_s=0.2, start_s=0.2
+        ),
+        RequestRecord(
+            False,
+            prompt_len=7,
+            output_len=0,
+            ttft_s=None,
+            itls_s=[],
+            e2el_s=0.05,
+            start_s=0.3,
+            error="UNAVAILABLE: gone",
+        ),
     ]
 
 
 # -- metrics ---------------------------------------------------------------------------------
 
+
 def test_metrics_by_hand():
     m = compute_metrics(_records(), duration_s=2.0, percentiles=(50, 99))
     assert (m["completed"], m["failed"]) == (3, 1)
-    assert (m["total_input_tokens"], m["total_output_tokens"]) == (35, 9)  # the failed request counts nowhere
+    # the failed request counts nowhere
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (35, 9)
     assert m["request_throughput"] == pytest.approx(1.5)
     assert m["output_throughput"] == pytest.approx(4.5)
     assert m["total_token_throughput"] == pytest.approx(22.0)
@@ -60,7 +113,9 @@ def test_metrics_by_hand():
     assert m["p99_tpot_ms"] == pytest.approx(199)
     # ITL pools every gap: 50, 50, 100, 200, 100, 300 ms
     assert m["mean_itl_ms"] == pytest.approx(800 / 6) and m["median_itl_ms"] == pytest.approx(100)
-    assert m["mean_e2el_ms"] == pytest.approx(1400 / 3) and m["median_e2el_ms"] == pytest.approx(500)
+    assert m["mean_e2el_ms"] == pytest.approx(1400 / 3) and m["median_e2el_ms"] == pytest.approx(
+        500
+    )
 
 
 def test_goodput_counts_completed_requests_meeting_every_slo():
@@ -69,17 +124,32 @@ def test_goodput_counts_completed_requests_meeting_every_slo():
     # the second fails TTFT (300); the failed request never counts.
     m = compute_metrics(records, 2.0, goodput_slos_ms={"ttft": 250, "tpot": 150})
     assert m["request_goodput"] == pytest.approx(1.0)
-    assert compute_metrics(records, 2.0, goodput_slos_ms={"tpot": 99})["request_goodput"] == pytest.approx(0.5)
-    assert compute_metrics(records, 2.0, goodput_slos_ms={"e2el": 400})["request_goodput"] == pytest.approx(0.5)
-    all_good = compute_metrics(records, 2.0, goodput_slos_ms={"ttft": 1000, "tpot": 1000, "e2el": 1000})
-    assert all_good["request_goodput"] == pytest.approx(all_good["request_throughput"]) == pytest.approx(1.5)
+    assert compute_metrics(records, 2.0, goodput_slos_ms={"tpot": 99})[
+        "request_goodput"
+    ] == pytest.approx(0.5)
+    assert compute_metrics(records, 2.0, goodput_slos_ms={"e2el": 400})[
+        "request_goodput"
+    ] == pytest.approx(0.5)
+    all_good = compute_metrics(
+        records, 2.0, goodput_slos_ms={"ttft": 1000, "tpot": 1000, "e2el": 1000}
+    )
+    assert (
+        all_good["request_goodput"]
+        == pytest.approx(all_good["request_throughput"])
+        == pytest.approx(1.5)
+    )
     assert compute_metrics(records, 2.0, goodput_slos_ms={"ttft": 50})["request_goodput"] == 0
 
 
 def test_metrics_over_no_completed_request_are_none_not_zero():
     failed = [r for r in _records() if not r.success]
     m = compute_metrics(failed, 1.0, goodput_slos_ms={"ttft": 100})
-    assert (m["completed"], m["failed"], m["request_throughput"], m["request_goodput"]) == (0, 1, 0, 0)
+    assert (m["completed"], m["failed"], m["request_throughput"], m["request_goodput"]) == (
+        0,
+        1,
+        0,
+        0,
+    )
     assert all(m[name] is None for name in METRIC_FIELDS)
     with pytest.raises(ValueError, match="duration_s"):
         compute_metrics(failed, 0.0)
@@ -96,15 +166,19 @@ def test_config_names_the_bad_flag():
 
 # -- arrivals and the driver -----------------------------------------------------------------
 
+
 def test_poisson_arrivals_have_the_rate_and_are_reproducible():
     times = arrival_times_s(2000, request_rate=4.0, seed=1)
     gaps = np.diff(times)
     assert len(times) == 2000 and times[0] == 0 and (gaps >= 0).all()
     assert gaps.mean() == pytest.approx(0.25, rel=0.1)
     assert 0.85 < gaps.std() / gaps.mean() < 1.15  # exponential gaps: coefficient of variation 1
-    assert times == arrival_times_s(2000, 4.0, seed=1) and times != arrival_times_s(2000, 4.0, seed=2)
+    assert times == arrival_times_s(2000, 4.0, seed=1) and times != arrival_times_s(
+        2000, 4.0, seed=2
+    )
     bursty = np.diff(arrival_times_s(2000, 4.0, burstiness=0.25, seed=1))
-    assert bursty.mean() == pytest.approx(0.25, rel=0.2) and bursty.std() / bursty.mean() > 1.6  # CV 1/sqrt(0.25)
+    # CV 1/sqrt(0.25)
+    assert bursty.mean() == pytest.approx(0.25, rel=0.2) and bursty.std() / bursty.mean() > 1.6
     assert arrival_times_s(5, math.inf) == [0.0] * 5
 
 
@@ -139,11 +213,17 @@ def test_infinite_rate_sends_everything_at_once():
 def test_finite_rate_follows_the_schedule_and_concurrency_is_capped():
     config = BenchConfig(disable_tqdm=True)
     expected = arrival_times_s(8, 20.0, seed=3)
-    result = asyncio.run(run_rate(config, _FakeBackend(0.01), _fake_prompts(8), 20.0, arrival_seed=3))
+    result = asyncio.run(
+        run_rate(config, _FakeBackend(0.01), _fake_prompts(8), 20.0, arrival_seed=3)
+    )
     for started, planned in zip(result["requests"]["start_times_s"], expected):
         assert planned - 0.001 <= started < planned + 0.1
     backend = _FakeBackend(0.05)
-    capped = asyncio.run(run_rate(BenchConfig(disable_tqdm=True, max_concurrency=2), backend, _fake_prompts(6), math.inf))
+    capped = asyncio.run(
+        run_rate(
+            BenchConfig(disable_tqdm=True, max_concurrency=2), backend, _fake_prompts(6), math.inf
+        )
+    )
     assert backend.peak_in_flight == 2 and capped["max_concurrent_requests"] == 2
     assert capped["duration_s"] >= 3 * 0.05
 
@@ -159,13 +239,21 @@ def test_an_unreachable_grpc_server_fails_every_request(tokenizer):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    config = BenchConfig(port=port, num_prompts=3, random_input_len=8, random_output_len=2, disable_tqdm=True, timeout_s=10)
+    config = BenchConfig(
+        port=port,
+        num_prompts=3,
+        random_input_len=8,
+        random_output_len=2,
+        disable_tqdm=True,
+        timeout_s=10,
+    )
     (result,) = sweep(config, tokenizer=tokenizer)["results"]
     assert (result["completed"], result["failed"]) == (0, 3)
     assert result["distinct_errors"][0].startswith("UNAVAILABLE")
 
 
 # -- the workload ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -175,7 +263,9 @@ def tokenizer():
 
 
 def test_random_prompts_are_reproducible_distinct_and_free_of_special_tokens(tokenizer):
-    config = BenchConfig(num_prompts=50, random_input_len=40, random_output_len=10, random_range_ratio=0.5, seed=7)
+    config = BenchConfig(
+        num_prompts=50, random_input_len=40, random_output_len=10, random_range_ratio=0.5, seed=7
+    )
     prompts = random_prompts(tokenizer, config)
     assert prompts == random_prompts(tokenizer, config)
     assert all(20 <= p.prompt_len <= 60 and 5 <= p.output_len <= 15 and not p.text for p in prompts)
@@ -190,7 +280,9 @@ def test_random_prompts_are_reproducible_distinct_and_free_of_special_tokens(tok
 
 
 def test_text_prompts_tokenize_back_to_their_length(tokenizer):
-    prompts = random_prompts(tokenizer, BenchConfig(backend="openai", num_prompts=20, random_input_len=32, seed=1))
+    prompts = random_prompts(
+        tokenizer, BenchConfig(backend="openai", num_prompts=20, random_input_len=32, seed=1)
+    )
     assert all(list(p.token_ids) == tokenizer.encode(p.text) for p in prompts)
     assert sum(p.prompt_len == 32 for p in prompts) >= 18
     assert len({p.text for p in prompts}) == 20
@@ -218,13 +310,17 @@ def _check_report(report_path, num_prompts: int, output_len: int) -> dict:
     assert set(RESULT_FIELDS) <= set(result) and set(PER_REQUEST_FIELDS) <= set(result["requests"])
     assert result["request_rate"] == "inf"
     assert result["completed"] == num_prompts and result["failed"] == 0, result["distinct_errors"]
-    assert result["total_output_tokens"] == num_prompts * output_len  # ignore_eos: exactly max_tokens each
+    # ignore_eos: exactly max_tokens each
+    assert result["total_output_tokens"] == num_prompts * output_len
     assert result["requests"]["output_lens"] == [output_len] * num_prompts
     assert result["total_input_tokens"] == sum(result["requests"]["input_lens"])
     assert all(ttft > 0 for ttft in result["requests"]["ttfts_s"]) and result["mean_ttft_ms"] > 0
     assert all(0 < len(itls) <= output_len - 1 for itls in result["requests"]["itls_s"])
     assert result["mean_tpot_ms"] > 0 and result["p99_itl_ms"] >= result["median_itl_ms"] > 0
-    assert all(e2el > ttft for e2el, ttft in zip(result["requests"]["e2els_s"], result["requests"]["ttfts_s"]))
+    assert all(
+        e2el > ttft
+        for e2el, ttft in zip(result["requests"]["e2els_s"], result["requests"]["ttfts_s"])
+    )
     return report
 
 
@@ -232,16 +328,29 @@ def test_grpc_benchmark_against_a_live_system(system, tokenizer, tmp_path, capsy
     import matplotlib.image
 
     result_file, plot_file = tmp_path / "grpc.json", tmp_path / "grpc.png"
-    config = BenchConfig(backend="grpc", port=system.port, api_key=API_KEY, num_prompts=6, random_input_len=32,
-                         random_output_len=8, goodput_slos_ms=(("ttft", 60_000.0), ("tpot", 60_000.0)), disable_tqdm=True,
-                         result_file=str(result_file), plot_file=str(plot_file))
+    config = BenchConfig(
+        backend="grpc",
+        port=system.port,
+        api_key=API_KEY,
+        num_prompts=6,
+        random_input_len=32,
+        random_output_len=8,
+        goodput_slos_ms=(("ttft", 60_000.0), ("tpot", 60_000.0)),
+        disable_tqdm=True,
+        result_file=str(result_file),
+        plot_file=str(plot_file),
+    )
     sweep(config, tokenizer=tokenizer)
     report = _check_report(result_file, num_prompts=6, output_len=8)
     (result,) = report["results"]
     assert result["total_input_tokens"] == 6 * 32  # token ids are sent as they are
-    assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # generous SLOs: all good
+    # generous SLOs: all good
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     printed = capsys.readouterr().out
-    assert "============ Serving Benchmark Result ============" in printed and "Mean TTFT (ms):" in printed
+    assert (
+        "============ Serving Benchmark Result ============" in printed
+        and "Mean TTFT (ms):" in printed
+    )
     png = plot_file.read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
     image = matplotlib.image.imread(str(plot_file))
@@ -251,19 +360,36 @@ def test_grpc_benchmark_against_a_live_system(system, tokenizer, tmp_path, capsy
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_http_benchmark_against_a_live_system(system, tokenizer, backend, tmp_path):
     result_file = tmp_path / f"{backend}.json"
-    config = BenchConfig(backend=backend, port=system.system.http_port, api_key=API_KEY, num_prompts=4,
-                         random_input_len=32, random_output_len=8, disable_tqdm=True, result_file=str(result_file))
+    config = BenchConfig(
+        backend=backend,
+        port=system.system.http_port,
+        api_key=API_KEY,
+        num_prompts=4,
+        random_input_len=32,
+        random_output_len=8,
+        disable_tqdm=True,
+        result_file=str(result_file),
+    )
     sweep(config, tokenizer=tokenizer)
     report = _check_report(result_file, num_prompts=4, output_len=8)
     assert report["model"]  # found through GET /v1/models
     input_lens = report["results"][0]["requests"]["input_lens"]
-    assert all(n > 32 if backend == "openai-chat" else abs(n - 32) <= 2 for n in input_lens)  # the server's count
+    # the server's count
+    assert all(n > 32 if backend == "openai-chat" else abs(n - 32) <= 2 for n in input_lens)
 
 
 def test_server_errors_count_as_failed_requests(system, tokenizer):
     def failures(**overrides) -> list[str]:
-        config = BenchConfig(**{"num_prompts": 2, "random_input_len": 8, "random_output_len": 2, "disable_tqdm": True,
-                                "api_key": API_KEY, **overrides})
+        config = BenchConfig(
+            **{
+                "num_prompts": 2,
+                "random_input_len": 8,
+                "random_output_len": 2,
+                "disable_tqdm": True,
+                "api_key": API_KEY,
+                **overrides,
+            }
+        )
         (result,) = sweep(config, tokenizer=tokenizer)["results"]
         assert (result["completed"], result["failed"]) == (0, 2)
         return result["distinct_errors"]
@@ -285,16 +411,42 @@ def test_cli_sweeps_two_rates(system, tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="pdserve")
     add_parser(parser.add_subparsers(dest="command"))
     result_file, plot_file = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    args = parser.parse_args(["bench", "--backend", "openai", "--port", str(system.system.http_port), "--api-key", API_KEY,
-                              "--num-prompts", "3", "--random-input-len", "16", "--random-output-len", "4",
-                              "--request-rate", "8,inf", "--goodput", "ttft:60000", "e2el:60000",
-                              "--metric-percentiles", "50,90", "--disable-tqdm",
-                              "--result-file", str(result_file), "--plot", str(plot_file)])
+    args = parser.parse_args(
+        [
+            "bench",
+            "--backend",
+            "openai",
+            "--port",
+            str(system.system.http_port),
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "4",
+            "--request-rate",
+            "8,inf",
+            "--goodput",
+            "ttft:60000",
+            "e2el:60000",
+            "--metric-percentiles",
+            "50,90",
+            "--disable-tqdm",
+            "--result-file",
+            str(result_file),
+            "--plot",
+            str(plot_file),
+        ]
+    )
     assert args.handler(args) == 0
     report = json.loads(result_file.read_text())
     assert [r["request_rate"] for r in report["results"]] == [8.0, "inf"]
     assert all(r["completed"] == 3 and r["total_output_tokens"] == 12 for r in report["results"])
-    assert all(r["request_goodput"] == pytest.approx(r["request_throughput"]) for r in report["results"])
+    assert all(
+        r["request_goodput"] == pytest.approx(r["request_throughput"]) for r in report["results"]
+    )
     printed = capsys.readouterr().out
     assert printed.count("Serving Benchmark Result") == 2 and "P90 TTFT (ms):" in printed
     assert plot_file.read_bytes().startswith(b"\x89PNG")

@@ -17,10 +17,14 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def expected():
     """Each prompt alone through the engine (batch of one, as the system below serves them), one thread."""
-    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20))
+    engine = LLMEngine(
+        EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20)
+    )
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    layout = KVLayout.for_model(engine.model_config, engine.config.block_size_tokens, torch.bfloat16)
+    layout = KVLayout.for_model(
+        engine.model_config, engine.config.block_size_tokens, torch.bfloat16
+    )
     return layout, [(prompt, engine.generate([prompt], params)[0]) for prompt in prompts]
 
 
@@ -35,8 +39,11 @@ def test_bf16_system_equals_the_bf16_engine(bf16_system, expected):
     layout, references = expected
     with bf16_system.client() as client:
         for prompt, reference in references:
-            served = client.generate(client.request(token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0))
-            assert len(reference.token_ids) > 1  # tokens from the decode worker too, not only the prefill's first
+            served = client.generate(
+                client.request(token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            )
+            # tokens from the decode worker too, not only the prefill's first
+            assert len(reference.token_ids) > 1
             assert served.token_ids == reference.token_ids, prompt
             assert served.text == reference.text and served.finish_reason == reference.finish_reason
             assert served.prefill_worker == "prefill-0" and served.decode_worker == "decode-0"
@@ -72,7 +79,9 @@ def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_token
     stream = _Stream(bf16_pair, "bf16-decode-killed")
     deadline = time.monotonic() + 60
     while len(stream.tokens) < 5:
-        assert time.monotonic() < deadline and stream.ended_s is None, "the request never reached decode"
+        assert time.monotonic() < deadline and stream.ended_s is None, (
+            "the request never reached decode"
+        )
         time.sleep(0.005)
     victim = router.in_flight["bf16-decode-killed"].route.decode
     sent_before_kill = len(stream.tokens)
@@ -80,7 +89,8 @@ def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_token
     stream.join()
     assert stream.error is None, stream.error
     assert router.migrations == migrations_before + 1
-    assert len(stream.tokens) == FAULT_MAX_TOKENS  # ignore_eos: every token once, none missing or repeated
+    # ignore_eos: every token once, none missing or repeated
+    assert len(stream.tokens) == FAULT_MAX_TOKENS
     assert stream.final.decode_worker != victim.worker_id
 
     config = EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20)
@@ -94,11 +104,15 @@ def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_token
     for cut in range(sent_before_kill, min(sent_before_kill + 8, FAULT_MAX_TOKENS)):
         engine = LLMEngine(config, loaded=loaded)
         engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-        rest = engine.generate([prompt + stream.tokens[:cut]], SamplingParams(
-            max_tokens=FAULT_MAX_TOKENS - cut, temperature=0, ignore_eos=True))[0].token_ids
+        rest = engine.generate(
+            [prompt + stream.tokens[:cut]],
+            SamplingParams(max_tokens=FAULT_MAX_TOKENS - cut, temperature=0, ignore_eos=True),
+        )[0].token_ids
         continuations.append(cut)
         if list(rest) == stream.tokens[cut:]:
             break
     else:
-        raise AssertionError(f"no cut in {continuations} continues greedily into what the client got")
+        raise AssertionError(
+            f"no cut in {continuations} continues greedily into what the client got"
+        )
     _wait_healed(bf16_pair)

@@ -7,11 +7,23 @@ from engine.block_manager import BlockAllocator, OutOfBlocksError
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "prompt", "free"]), st.integers(0, 6), st.integers(0, 3)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "prompt", "free"]), st.integers(0, 6), st.integers(0, 3)
+        ),
+        max_size=60,
+    )
+)
 def test_random_operations_keep_the_books_straight(ops):
     allocator = BlockAllocator(num_blocks=24, block_size_tokens=4)
     held: list[list[int]] = []  # one entry per live allocation
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9, 9], [7] * 13, [1, 2, 3, 4, 5, 6, 7, 8]]
+    prompts = [
+        [1, 2, 3, 4, 5, 6, 7, 8, 9],
+        [1, 2, 3, 4, 9, 9, 9, 9, 9, 9],
+        [7] * 13,
+        [1, 2, 3, 4, 5, 6, 7, 8],
+    ]
     for op, count, which in ops:
         try:
             if op == "alloc":

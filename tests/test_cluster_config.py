@@ -22,7 +22,8 @@ def test_decode_workers_bind_loopback_locally_and_their_node_address_on_a_cluste
     from pdserve.system import ServeConfig
 
     assert ServeConfig().worker_bind_host() == "127.0.0.1"
-    assert ServeConfig(address="auto").worker_bind_host() is None  # each worker resolves its node's address
+    # each worker resolves its node's address
+    assert ServeConfig(address="auto").worker_bind_host() is None
     assert ServeConfig(address="auto", kv_host="0.0.0.0").worker_bind_host() == "0.0.0.0"
 
 

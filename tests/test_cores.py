@@ -29,7 +29,9 @@ def node(tmp_path):
 
     def share(lend="prefill", home_threads=1, num_cores=2, **policy):
         threads = Threads()
-        core_share = CoreShare(CorePolicy(lend, str(tmp_path), **policy), home_threads, threads, num_cores)
+        core_share = CoreShare(
+            CorePolicy(lend, str(tmp_path), **policy), home_threads, threads, num_cores
+        )
         core_share.calls = threads.calls
         shares.append(core_share)
         return core_share
@@ -48,7 +50,9 @@ def test_workers_get_the_least_used_cores_as_homes(node):
 
 
 def test_a_dead_workers_home_is_free_again(node, tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     (tmp_path / "homes.json").write_text(json.dumps({f"{int(dead.stdout)}-1": [0]}))
     assert node().home == (0,)
 
@@ -123,14 +127,17 @@ def test_a_layer_boundary_keeps_a_core_nobody_wants(node):
         assert a.threads == 2
 
 
-def test_a_borrower_that_stopped_holds_an_owner_no_longer_than_its_wait_and_gets_no_more(node, caplog):
+def test_a_borrower_that_stopped_holds_an_owner_no_longer_than_its_wait_and_gets_no_more(
+    node, caplog
+):
     a, b = node(), node(owner_wait_s=0.2)
     with a.step(is_prefill=True):  # never reaches a layer boundary: stopped
         started = time.monotonic()
         b.busy()
         assert 0.2 <= time.monotonic() - started < 2
         assert "still lent" in caplog.text
-    with a.step(is_prefill=True):  # b computes on its core without its lock: a must not take it again
+    # b computes on its core without its lock: a must not take it again
+    with a.step(is_prefill=True):
         assert a.threads == 1
     b.busy()  # the next step takes it back
     b.idle()
@@ -155,7 +162,9 @@ def test_the_policy_is_checked():
     assert str(CorePolicy().path).endswith(f"pdserve-cores-{os.getuid()}")
 
 
-def test_a_decoding_worker_lends_its_core_to_an_asking_prefill_within_its_slack_and_gets_it_back(node):
+def test_a_decoding_worker_lends_its_core_to_an_asking_prefill_within_its_slack_and_gets_it_back(
+    node,
+):
     """Sharing by the SLO: a prefill step asks for a busy worker's core; the busy worker, between two
     decode steps, lends it for at most its streams' slack; the prefill takes it at its next layer and
     hands it back at the one after the owner wants it."""
@@ -173,7 +182,8 @@ def test_a_decoding_worker_lends_its_core_to_an_asking_prefill_within_its_slack_
             time.sleep(0.005)
             between_layers()
         assert prefill.borrowed_steps == 1
-        time.sleep(0.35)  # the owner's pause ends (at most max_pause_tpot budgets: 0.2 s); it wants its core
+        # the owner's pause ends (at most max_pause_tpot budgets: 0.2 s); it wants its core
+        time.sleep(0.35)
         between_layers()
         assert prefill.threads == 1
         lending.join(5)
@@ -189,7 +199,8 @@ def test_a_pause_ends_when_the_prefill_step_ends_and_no_budget_means_no_pause(no
         lending = threading.Thread(target=decoder.lend_within, args=(10.0,))
         lending.start()
         time.sleep(0.05)
-    lending.join(5)  # nobody asks any more: the owner takes its core back long before its slack is spent
+    # nobody asks any more: the owner takes its core back long before its slack is spent
+    lending.join(5)
     assert not lending.is_alive() and decoder.lent_pauses_s < 0.5
     prefill.close()
     decoder.close()
@@ -197,4 +208,5 @@ def test_a_pause_ends_when_the_prefill_step_ends_and_no_budget_means_no_pause(no
     assert {plain.home, busy.home} == {(0,), (1,)}
     busy.busy()
     with plain.step(is_prefill=True) as between_layers:
-        assert between_layers is None and busy.lend_within(10.0) == 0.0  # no TPOT budget: only idle cores lent
+        # no TPOT budget: only idle cores lent
+        assert between_layers is None and busy.lend_within(10.0) == 0.0

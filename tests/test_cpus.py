@@ -1,7 +1,6 @@
 """The one CPU count (runtime/cpus.py) against fake cgroup trees: the affinity mask lowered to the CPU
 quota, v2 and v1, the quota of an ancestor cgroup, none set."""
 
-
 import pytest
 
 from runtime import cpus
@@ -158,7 +157,8 @@ def test_a_worker_never_gets_more_threads_than_the_usable_cpus(monkeypatch):
     from runtime import startup
 
     monkeypatch.setattr(startup, "usable_cpus", lambda: 2)
-    monkeypatch.setitem(sys.modules, "ray", _FakeRay(assigned_cpus=16))  # a node that declared 64 CPUs
+    # a node that declared 64 CPUs
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay(assigned_cpus=16))
     assert startup.granted_cpus() == 2
     monkeypatch.setitem(sys.modules, "ray", _FakeRay(assigned_cpus=0.5))
     assert startup.granted_cpus() == 1
@@ -168,7 +168,9 @@ def test_home_threads_beyond_the_nodes_cores_are_clamped(tmp_path):
     from runtime.cores import CorePolicy, CoreShare
 
     asked = []
-    share = CoreShare(CorePolicy("all", str(tmp_path)), home_threads=16, set_threads=asked.append, num_cores=2)
+    share = CoreShare(
+        CorePolicy("all", str(tmp_path)), home_threads=16, set_threads=asked.append, num_cores=2
+    )
     try:
         assert share.home_threads == share.threads == 2 and len(share.home) == 2
         with share.step(is_prefill=True):  # nothing to borrow: the home is the whole node

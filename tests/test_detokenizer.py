@@ -26,7 +26,9 @@ TEXT_IDS = [f"text{i}" for i in range(len(STREAM_TEXTS))]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return Tokenizer.from_gguf_fields(gguf_loader.read_fields(gguf_loader.open_gguf(default_model_path())))
+    return Tokenizer.from_gguf_fields(
+        gguf_loader.read_fields(gguf_loader.open_gguf(default_model_path()))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,8 @@ def test_first_token_keeps_its_leading_space(tokenizer):
 
 
 def test_output_ending_inside_a_character_flushes_it_as_replacement(tokenizer, chat_prompt):
-    ids = _output_ids(tokenizer, "ab😀")[:-1]  # generation stopped (max_tokens) in the middle of the emoji
+    # generation stopped (max_tokens) in the middle of the emoji
+    ids = _output_ids(tokenizer, "ab😀")[:-1]
     detok = IncrementalDetokenizer(tokenizer, chat_prompt)
     chunks, tail = _stream(detok, ids)
     assert "".join(chunks) == "ab"
@@ -115,7 +118,8 @@ def test_stop_string_cuts_text_before_it(tokenizer, chat_prompt):
 def test_stop_string_spanning_tokens_is_found(tokenizer, chat_prompt):
     text, stop = "Hello world, and goodbye.", "lo wor"
     ids = _output_ids(tokenizer, text)
-    assert not any(stop in tokenizer.decode([t]) for t in ids)  # it only exists across a token boundary
+    # it only exists across a token boundary
+    assert not any(stop in tokenizer.decode([t]) for t in ids)
     detok = IncrementalDetokenizer(tokenizer, chat_prompt, stop=[stop])
     chunks, _ = _stream_until_stop(detok, ids)
     assert detok.stop_string == stop

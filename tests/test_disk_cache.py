@@ -42,7 +42,9 @@ def test_a_second_load_reads_the_cache_and_gives_the_same_model(cache, parses, d
     first = load_model(str(default_gguf), dtype)
     assert len(parses) == 2  # metadata, then weights
     assert sorted(p.name.rsplit("-", 1)[0] for p in cache.iterdir()) == [
-        f"{default_gguf.stem}.metadata", f"{default_gguf.stem}.{_weights_kind(dtype)}"]
+        f"{default_gguf.stem}.metadata",
+        f"{default_gguf.stem}.{_weights_kind(dtype)}",
+    ]
     second = load_model(str(default_gguf), dtype)
     assert len(parses) == 2  # the file was not opened again
     assert second.config == first.config
@@ -66,8 +68,11 @@ def _assert_served_in_place(built, mapped, entry):
     # the decode copies oneDNN packs (opaque memory) are packed again where the CPU wants them
     assert all((m.packed_weight is not None) == decode_packing_supported() for m in layers)
     generator = torch.Generator().manual_seed(0)
-    for ours, theirs in zip([m for m in built.model.modules() if isinstance(m, TransposedLinear)], layers):
-        x = torch.randn(5, ours.weight_t.shape[0], generator=generator)  # a decode batch: packed where used
+    for ours, theirs in zip(
+        [m for m in built.model.modules() if isinstance(m, TransposedLinear)], layers
+    ):
+        # a decode batch: packed where used
+        x = torch.randn(5, ours.weight_t.shape[0], generator=generator)
         assert torch.equal(ours(x), theirs(x))
 
 
@@ -78,10 +83,14 @@ def test_a_model_over_serving_tensors_that_do_not_fit_is_a_value_error_naming_th
     ids = torch.tensor([1, 5, 9])
     a, b = built.model.state_dict(), over.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert over.layers[0].mlp.down_proj.weight_t is tensors["layers.0.mlp.down_proj.weight_t"]  # in place
+    # in place
+    assert over.layers[0].mlp.down_proj.weight_t is tensors["layers.0.mlp.down_proj.weight_t"]
     assert torch.equal(over.embed_tokens(ids), built.model.embed_tokens(ids))
-    for name, bad in [("layers.0.mlp.down_proj.weight_t", lambda t: t[:-1]), ("norm.weight", lambda t: t[:-1]),
-                      ("layers.1.self_attn.o_proj.weight_t", None)]:
+    for name, bad in [
+        ("layers.0.mlp.down_proj.weight_t", lambda t: t[:-1]),
+        ("norm.weight", lambda t: t[:-1]),
+        ("layers.1.self_attn.o_proj.weight_t", None),
+    ]:
         broken = dict(tensors)
         if bad is None:
             del broken[name]
@@ -95,7 +104,9 @@ def _weights_kind(dtype):
     """fp32 on a CPU serves transposed linears, and those are cached as they serve; other layouts are
     cached as dequantized."""
     name = str(dtype).removeprefix("torch.")
-    return f"serving-{name}-transposed" if transposing_supported(dtype, "cpu") else f"weights-{name}"
+    return (
+        f"serving-{name}-transposed" if transposing_supported(dtype, "cpu") else f"weights-{name}"
+    )
 
 
 def _mapped_ranges(path):
@@ -122,7 +133,8 @@ def test_entries_follow_the_file_content_not_its_path(cache, parses, default_ggu
     disk_cache._digests.clear()
     load_tokenizer(str(copy))
     assert len(parses) == 1
-    with open(copy, "r+b") as file:  # the last byte lies in tensor data, which the metadata does not read
+    # the last byte lies in tensor data, which the metadata does not read
+    with open(copy, "r+b") as file:
         file.seek(-1, os.SEEK_END)
         last = file.read(1)
         file.seek(-1, os.SEEK_END)
@@ -130,10 +142,13 @@ def test_entries_follow_the_file_content_not_its_path(cache, parses, default_ggu
     load_tokenizer(str(copy))
     assert len(parses) == 2
     assert len(list(cache.iterdir())) == 2  # one entry per content of the file
-    assert len(list((cache.parent / "index").iterdir())) == 4  # one digest per path, size and time seen
+    # one digest per path, size and time seen
+    assert len(list((cache.parent / "index").iterdir())) == 4
 
 
-def test_the_cache_is_pruned_least_recently_used_first_never_the_entry_just_written(cache, tmp_path, monkeypatch):
+def test_the_cache_is_pruned_least_recently_used_first_never_the_entry_just_written(
+    cache, tmp_path, monkeypatch
+):
     monkeypatch.setenv(disk_cache.MAX_ENV, str(2.5 * 2**20 / 2**30))  # room for two 1 MiB entries
     sources = []
     for name in "abcd":
@@ -144,18 +159,22 @@ def test_the_cache_is_pruned_least_recently_used_first_never_the_entry_just_writ
     def write(source):
         disk_cache.save_tensors(source, "weights-float32", one_mib)
         entry = disk_cache.entry_path(source, "weights-float32", ".safetensors")
-        os.utime(entry, (entry.stat().st_atime, entry.stat().st_mtime - 100 + len(list(cache.iterdir()))))
+        os.utime(
+            entry, (entry.stat().st_atime, entry.stat().st_mtime - 100 + len(list(cache.iterdir())))
+        )
         return entry
 
     a, b = write(sources[0]), write(sources[1])
-    assert disk_cache.tensors(sources[0], "weights-float32") is not None  # a is now the one used last
+    # a is now the one used last
+    assert disk_cache.tensors(sources[0], "weights-float32") is not None
     stale = cache / "x.weights-float32-0.safetensors.123.partial"
     stale.write_bytes(b"half")
     os.utime(stale, (0, 0))
     c = write(sources[2])
     assert sorted(cache.iterdir()) == sorted([a, c])  # b went; so did the write a dead process left
     assert not b.exists()
-    converted = disk_cache.entry_path(sources[1], "hf-transformers", "")  # a directory entry (tests/hf_reference.py)
+    # a directory entry (tests/hf_reference.py)
+    converted = disk_cache.entry_path(sources[1], "hf-transformers", "")
     converted.mkdir()
     (converted / "model.safetensors").write_bytes(bytes(2**20))
     os.utime(converted, (0, 0))  # the least recently used, and with c as large as the bound allows

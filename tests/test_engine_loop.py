@@ -18,8 +18,13 @@ from runtime.engine_loop import EngineLoop
 @pytest.fixture
 def stopped_loop(tmp_path):
     def make(tpot_budget_s=None):
-        engine = LLMEngine(EngineConfig(model="dummy:tiny", block_size_tokens=8), loaded=load_model("dummy:tiny", torch.float32))
-        cores = CoreShare(CorePolicy("all", str(tmp_path), tpot_budget_s=tpot_budget_s), 1, lambda n: None, 2)
+        engine = LLMEngine(
+            EngineConfig(model="dummy:tiny", block_size_tokens=8),
+            loaded=load_model("dummy:tiny", torch.float32),
+        )
+        cores = CoreShare(
+            CorePolicy("all", str(tmp_path), tpot_budget_s=tpot_budget_s), 1, lambda n: None, 2
+        )
         loop = EngineLoop(engine, cores=cores)
         loop._stopped = True
         loop._wake.set()
@@ -33,7 +38,9 @@ def stopped_loop(tmp_path):
         cores.close()
 
 
-def test_a_mid_step_call_runs_at_a_layer_boundary_and_a_plain_one_waits_for_the_step_to_end(stopped_loop):
+def test_a_mid_step_call_runs_at_a_layer_boundary_and_a_plain_one_waits_for_the_step_to_end(
+    stopped_loop,
+):
     loop = stopped_loop()
     loop.engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0))
     ran = []
@@ -52,7 +59,9 @@ def test_a_mid_step_call_runs_at_a_layer_boundary_and_a_plain_one_waits_for_the_
     assert asyncio.run(scenario()) == ("reserved", None)
 
 
-def test_the_slack_is_what_the_youngest_stream_can_spare_and_none_with_prompt_work_or_no_budget(stopped_loop):
+def test_the_slack_is_what_the_youngest_stream_can_spare_and_none_with_prompt_work_or_no_budget(
+    stopped_loop,
+):
     assert stopped_loop()._decode_slack_s() is None  # no budget given
     loop = stopped_loop(tpot_budget_s=0.05)
     params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)

@@ -21,12 +21,19 @@ import grpc
 import pytest
 
 # ~300 tokens: long enough that prefill takes a while on one core
-PROMPT = "Rivers shaped where people settled, traded and fought. " * 30 + "Write a long essay about rivers."
+PROMPT = (
+    "Rivers shaped where people settled, traded and fought. " * 30
+    + "Write a long essay about rivers."
+)
 MAX_TOKENS = 40
 BOUND_S = 60  # no request may take longer than this, fault or not
-PHASES = {"disaggregated": ("queued", "prefill", "transfer", "decode"), "colocated": ("queued", "prefill", "decode")}
+PHASES = {
+    "disaggregated": ("queued", "prefill", "transfer", "decode"),
+    "colocated": ("queued", "prefill", "decode"),
+}
 
-RESULTS = {}  # "mode/transport/phase" -> counts, for docs/reliability.md (PDSERVE_FAULT_REPORT=path)
+# "mode/transport/phase" -> counts, for docs/reliability.md (PDSERVE_FAULT_REPORT=path)
+RESULTS = {}
 
 
 SYSTEMS = ["disaggregated/ray", "disaggregated/grpc", "colocated/ray"]
@@ -55,8 +62,11 @@ def _reference(system) -> list[int]:
     cached = getattr(system, "reference", None)
     if cached is None:
         with system.client() as client:
-            cached = system.reference = list(client.generate(client.request(
-                PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)).token_ids)
+            cached = system.reference = list(
+                client.generate(
+                    client.request(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+                ).token_ids
+            )
     return cached
 
 
@@ -73,15 +83,28 @@ def _call_all(system, workers, method: str, *args):
 def _wait_healed(system, timeout_s: float = 90) -> None:
     """Until both pools are back to their size with every worker answering, nothing in flight, and
     every worker's KV all free (a worker that cannot answer counts as not healed, never as free)."""
-    sizes = {"prefill": system.config.num_prefill if system.config.mode == "disaggregated" else 0,
-             "decode": system.config.num_decode, "colocated": system.config.num_decode}
+    sizes = {
+        "prefill": system.config.num_prefill if system.config.mode == "disaggregated" else 0,
+        "decode": system.config.num_decode,
+        "colocated": system.config.num_decode,
+    }
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stats = system.stats()
-        counts = {role: sum(1 for w in stats.workers if w.role == role and w.state == "ready") for role in sizes}
+        counts = {
+            role: sum(1 for w in stats.workers if w.role == role and w.state == "ready")
+            for role in sizes
+        }
         answered = all(w.kv_blocks_total > 0 for w in stats.workers)
-        if (answered and all(counts.get(role, 0) == sizes[role] for role in ("prefill", system.system.router.decode_pool.role))
-                and stats.requests_in_flight == 0 and all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)):
+        if (
+            answered
+            and all(
+                counts.get(role, 0) == sizes[role]
+                for role in ("prefill", system.system.router.decode_pool.role)
+            )
+            and stats.requests_in_flight == 0
+            and all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+        ):
             return
         time.sleep(0.25)
     raise AssertionError(f"pools did not heal within {timeout_s} s: {system.stats()}")
@@ -104,8 +127,15 @@ class _Stream:
     def _run(self) -> None:
         with self._system.client(timeout_s=BOUND_S) as client:
             try:
-                for response in client.stream(client.request(PROMPT, request_id=self._request_id, max_tokens=MAX_TOKENS,
-                                                             temperature=0, ignore_eos=True)):
+                for response in client.stream(
+                    client.request(
+                        PROMPT,
+                        request_id=self._request_id,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0,
+                        ignore_eos=True,
+                    )
+                ):
                     self.tokens += response.token_ids
                     self.final = response if response.finish_reason else self.final
             except grpc.RpcError as error:
@@ -126,7 +156,11 @@ def _hold_and_kill(system, phase: str, request_id: str, kill_sender: bool = Fals
 
     router = system.system.router
     colocated = system.config.mode == "colocated"
-    holders = router.decode_pool if colocated or (phase == "transfer" and not kill_sender) else router.prefill_pool
+    holders = (
+        router.decode_pool
+        if colocated or (phase == "transfer" and not kill_sender)
+        else router.prefill_pool
+    )
     armed = _ready(holders) if phase != "decode" else []
     _call_all(system, armed, "park_at", [phase])
     stream = _Stream(system, request_id)
@@ -135,7 +169,9 @@ def _hold_and_kill(system, phase: str, request_id: str, kill_sender: bool = Fals
     try:
         if phase == "decode":
             while len(stream.tokens) < 5:
-                assert time.monotonic() < deadline and stream.ended_s is None, "the request never reached decode"
+                assert time.monotonic() < deadline and stream.ended_s is None, (
+                    "the request never reached decode"
+                )
                 time.sleep(0.005)
             victim = router.in_flight[request_id].route.decode
         else:
@@ -143,8 +179,16 @@ def _hold_and_kill(system, phase: str, request_id: str, kill_sender: bool = Fals
                 assert time.monotonic() < deadline, f"the request was never held in phase {phase}"
                 time.sleep(0.02)
             route = router.in_flight[request_id].route
-            holder = next(w for w, parked in zip(armed, _call_all(system, armed, "parked")) if request_id in parked)
-            assert holder is (route.decode if colocated or (phase == "transfer" and not kill_sender) else route.prefill)
+            holder = next(
+                w
+                for w, parked in zip(armed, _call_all(system, armed, "parked"))
+                if request_id in parked
+            )
+            assert holder is (
+                route.decode
+                if colocated or (phase == "transfer" and not kill_sender)
+                else route.prefill
+            )
             victim = holder
         ray.kill(victim.actor, no_restart=True)
     finally:
@@ -158,19 +202,30 @@ def test_the_worker_holding_a_request_killed_in_each_phase_recovers_it_exactly(s
     """The worker holding the request in `phase` is killed ("transfer": the decode worker receiving its
     KV; "transfer-sender": the prefill worker streaming it, over grpc, held between a layer group's
     header and its payload)."""
-    if phase not in PHASES[system.config.mode] + (("transfer-sender",) if system.config.transport == "grpc" else ()):
+    if phase not in PHASES[system.config.mode] + (
+        ("transfer-sender",) if system.config.transport == "grpc" else ()
+    ):
         # By design, not for a missing tool: colocated mode has no KV transfer; the ray transport's KV
         # is in the node's object store before the decode worker reads it, so no sender is mid-stream.
         pytest.skip(f"no {phase} phase in {system.name}")
     reference = _reference(system)
     router = system.system.router
     migrations_before = router.migrations
-    killed, stream = _hold_and_kill(system, phase.removesuffix("-sender"), f"fault-{system.name.replace('/', '-')}-{phase}",
-                                    kill_sender=phase.endswith("-sender"))
+    killed, stream = _hold_and_kill(
+        system,
+        phase.removesuffix("-sender"),
+        f"fault-{system.name.replace('/', '-')}-{phase}",
+        kill_sender=phase.endswith("-sender"),
+    )
     recovered = stream.error is None and stream.tokens == reference
     RESULTS[f"{system.name}/{phase}"] = {
-        "runs": 1, "recovered_identical": int(recovered), "clean_errors": int(stream.error is not None),
-        "hung": 0, "migrations": router.migrations - migrations_before, "seconds": round(stream.ended_s - stream.started_s, 2)}
+        "runs": 1,
+        "recovered_identical": int(recovered),
+        "clean_errors": int(stream.error is not None),
+        "hung": 0,
+        "migrations": router.migrations - migrations_before,
+        "seconds": round(stream.ended_s - stream.started_s, 2),
+    }
     assert stream.error is None, stream.error
     assert stream.tokens == reference
     assert router.migrations == migrations_before + 1
@@ -188,7 +243,9 @@ def test_with_migrations_exhausted_the_request_fails_cleanly_at_once(system):
     original = router.config
     router.config = dataclasses.replace(original, max_migrations=0)
     try:
-        killed, stream = _hold_and_kill(system, "decode", f"exhausted-{system.name.replace('/', '-')}")
+        killed, stream = _hold_and_kill(
+            system, "decode", f"exhausted-{system.name.replace('/', '-')}"
+        )
     finally:
         router.config = original
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
@@ -212,7 +269,8 @@ def test_a_worker_cut_off_from_the_router_is_killed_and_replaced(system):
         assert time.monotonic() < deadline, "the healer never replaced the cut-off worker"
         time.sleep(0.1)
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(worker.actor.load.remote(), timeout=30)  # killed, not left running beside its replacement
+        # killed, not left running beside its replacement
+        ray.get(worker.actor.load.remote(), timeout=30)
     _wait_healed(system)
     deadline = time.monotonic() + 30
     while abs(ray.available_resources().get("CPU", 0.0) - cpus_before) > 1e-6:
@@ -244,18 +302,33 @@ def test_no_prefill_worker_left_is_unavailable_at_once(harness):
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as failure:
                 client.generate(client.request(PROMPT, max_tokens=4, temperature=0))
-        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill" in failure.value.details()
+        assert (
+            failure.value.code() == grpc.StatusCode.UNAVAILABLE
+            and "prefill" in failure.value.details()
+        )
         assert time.monotonic() - started < 15
         # Over streaming HTTP, a failure before the first token is an error status with OpenAI's body, not a 200.
-        body = json.dumps({"model": lonely.system.config.model_name, "prompt": "Hi", "max_tokens": 4, "stream": True})
-        request = urllib.request.Request(f"http://127.0.0.1:{lonely.system.http_port}/v1/completions", body.encode(),
-                                         {"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": lonely.system.config.model_name,
+                "prompt": "Hi",
+                "max_tokens": 4,
+                "stream": True,
+            }
+        )
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{lonely.system.http_port}/v1/completions",
+            body.encode(),
+            {"Content-Type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as http_failure:
             urllib.request.urlopen(request, timeout=30)
         assert http_failure.value.code == 503
         assert "prefill" in json.loads(http_failure.value.read())["error"]["message"]
         deadline = time.monotonic() + 2  # the failed attempt's reservation is handed back at once
-        while (decode := next(w for w in lonely.stats().workers if w.role == "decode")).kv_blocks_free != decode.kv_blocks_total:
+        while (
+            decode := next(w for w in lonely.stats().workers if w.role == "decode")
+        ).kv_blocks_free != decode.kv_blocks_total:
             assert time.monotonic() < deadline, decode
             time.sleep(0.05)
     finally:

@@ -13,11 +13,13 @@ from engine.model import apply_rope
 @pytest.fixture(scope="module")
 def ops():
     fused = load_fused_ops()
-    assert fused is not None, "the fused kernels did not build (a C compiler is part of the test setup)"
+    assert fused is not None, (
+        "the fused kernels did not build (a C compiler is part of the test setup)"
+    )
     return fused
 
 
-def _close(a, b, rel=2 ** -7):
+def _close(a, b, rel=2**-7):
     """Within about one bf16 rounding of each other (relative to the row's scale)."""
     scale = b.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
     assert ((a.float() - b.float()).abs() / scale).max().item() <= 2 * rel
@@ -55,7 +57,9 @@ def test_a_bf16_model_answers_the_same_with_and_without_them(monkeypatch):
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20))
+    engine = LLMEngine(
+        EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20)
+    )
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
     params = SamplingParams(max_tokens=6, temperature=0)
     fused = engine.generate([prompt], params)[0].token_ids

@@ -26,8 +26,12 @@ def test_the_healer_asks_only_workers_not_heard_from_within_its_interval():
     asked: list[str] = []
     busy, idle = _worker("decode-0", "decode", asked), _worker("decode-1", "decode", asked)
     quiet_prefill = _worker("prefill-0", "prefill", asked)
-    router = Router(RouterConfig("disaggregated"), None, WorkerPool("prefill", [quiet_prefill]),
-                    WorkerPool("decode", [busy, idle]))
+    router = Router(
+        RouterConfig("disaggregated"),
+        None,
+        WorkerPool("prefill", [quiet_prefill]),
+        WorkerPool("decode", [busy, idle]),
+    )
     manager = PoolManager(ServeConfig(), router, epoch=1)
 
     async def run():

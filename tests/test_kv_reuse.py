@@ -49,10 +49,14 @@ def test_decoded_blocks_become_cached_when_a_sequence_finishes(smollm_fp32):
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(dtype="float32", num_threads=1, block_size_tokens=4, kv_cache_bytes=16 << 20),
-                       loaded=smollm_fp32)
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", num_threads=1, block_size_tokens=4, kv_cache_bytes=16 << 20),
+        loaded=smollm_fp32,
+    )
     prompt = list(range(100, 110))
-    done = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    done = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
+        0
+    ]
     history = prompt + done.token_ids  # 22 tokens, 21 of them computed: five full blocks
     _, cached = engine.allocator.allocate_prompt(history + [5, 6])
     assert cached == 20  # the answer's blocks too, not only the prompt's (8 tokens)
@@ -65,8 +69,17 @@ def _group(cache: PagedKVCache, source_blocks: list[int], request_id: str):
     """One layer group of every layer, as a transport hands it to `install`: (header, payload bytes)."""
     data = as_bytes_view(cache.export_blocks(source_blocks))
     layout = cache.layout
-    header = KVGroupHeader(request_id, "s", 1, layout, 0, layout.num_layers, len(source_blocks),
-                           group_payload_bytes(layout, layout.num_layers, len(source_blocks)), checksum(data))
+    header = KVGroupHeader(
+        request_id,
+        "s",
+        1,
+        layout,
+        0,
+        layout.num_layers,
+        len(source_blocks),
+        group_payload_bytes(layout, layout.num_layers, len(source_blocks)),
+        checksum(data),
+    )
     return header, data
 
 
@@ -91,7 +104,8 @@ def test_a_reservation_reuses_the_cached_prefix_and_receives_only_the_rest():
     before = cache.export_blocks(block_ids[:3]).clone()
     assert reservations.install(header, data)
     assert torch.equal(cache.export_blocks(block_ids[3:]), sender.export_blocks([0, 1]))
-    assert torch.equal(cache.export_blocks(block_ids[:3]), before)  # the reused blocks are untouched
+    # the reused blocks are untouched
+    assert torch.equal(cache.export_blocks(block_ids[:3]), before)
     assert reservations.poll().ready == {"r": block_ids}
     allocator.free(block_ids)
     assert allocator.num_free_blocks == free_before
@@ -107,7 +121,8 @@ def test_reused_blocks_are_never_evicted_while_reserved_and_come_back_on_abort()
     reservations = Reservations(cache, allocator)
     block_ids, reused = reservations.reserve_prompt("r", history + [1, 2, 3], timeout_s=5.0)
     assert reused == 2
-    others = allocator.allocate(allocator.num_free_blocks)  # everything else is taken: nothing evicts the reused
+    # everything else is taken: nothing evicts the reused
+    others = allocator.allocate(allocator.num_free_blocks)
     assert not set(others) & set(block_ids)
     assert reservations.abort("r")
     allocator.free(others)
@@ -145,7 +160,10 @@ def test_routing_weighs_a_cached_prefix_against_load():
     index.reset("warm", chain[:50])  # holds 200 tokens of it
     warm, cold = _worker("warm", "prefill", queued=150), _worker("cold", "prefill")
     prefix = RoutingConfig()
-    assert [c.worker for c in rank(prefix, index, [cold, warm], chain, len(prompt), "prefill")] == [warm, cold]
+    assert [c.worker for c in rank(prefix, index, [cold, warm], chain, len(prompt), "prefill")] == [
+        warm,
+        cold,
+    ]
     assert rank(prefix, index, [cold, warm], chain, len(prompt), "prefill")[0].cached_tokens == 200
     warm.queued_prompt_tokens = 250  # now it would start later than recomputing elsewhere
     assert rank(prefix, index, [cold, warm], chain, len(prompt), "prefill")[0].worker is cold
@@ -164,17 +182,25 @@ def test_routing_weighs_a_cached_prefix_against_load():
 
 def test_a_prompt_whose_prefix_the_decode_worker_holds_prefills_there():
     auto = PDPolicyConfig(local_max_prompt_tokens=64, queue_margin_tokens=256)
-    assert decide(auto, 600, 0, 0, remote_cached_tokens=0, local_cached_tokens=560) == Decision("local", "prefix_hit")
+    assert decide(auto, 600, 0, 0, remote_cached_tokens=0, local_cached_tokens=560) == Decision(
+        "local", "prefix_hit"
+    )
     # Not short enough, but far less to compute there than on the prefill pool (which holds none of it):
-    assert decide(auto, 600, 0, 0, remote_cached_tokens=0, local_cached_tokens=500) == Decision("local", "prefix_hit")
-    assert decide(auto, 600, 0, 0, remote_cached_tokens=560, local_cached_tokens=500) == Decision("remote", "default")
+    assert decide(auto, 600, 0, 0, remote_cached_tokens=0, local_cached_tokens=500) == Decision(
+        "local", "prefix_hit"
+    )
+    assert decide(auto, 600, 0, 0, remote_cached_tokens=560, local_cached_tokens=500) == Decision(
+        "remote", "default"
+    )
     assert decide(auto, 40, 0, 0) == Decision("local", "short_prompt")
 
 
 # -- real multi-turn conversations ----------------------------------------------------------------
 
-_SYSTEM = ("You are a patient tutor. Answer in plain words and keep each answer short. The student is "
-           "studying the history of rivers, trade routes and the towns that grew along them. ") * 3
+_SYSTEM = (
+    "You are a patient tutor. Answer in plain words and keep each answer short. The student is "
+    "studying the history of rivers, trade routes and the towns that grew along them. "
+) * 3
 
 
 @pytest.fixture(scope="module", params=["ray", "grpc"])
@@ -186,8 +212,12 @@ def system(request, harness):
 
 def _counter(system, name: str) -> dict[tuple, float]:
     metric = getattr(system.system.router.metrics, name)
-    return {tuple(sample.labels.values()): sample.value
-            for family in metric.collect() for sample in family.samples if sample.name.endswith("_total")}
+    return {
+        tuple(sample.labels.values()): sample.value
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
 
 
 def _cold(smollm_fp32, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -206,8 +236,11 @@ def _turn(system, prompt_ids: list[int], max_tokens: int = 10, **router_config):
     router.config = dataclasses.replace(own, **router_config)
     try:
         with system.client() as client:
-            return client.generate(client.request(token_ids=prompt_ids, max_tokens=max_tokens, temperature=0,
-                                                  ignore_eos=True))
+            return client.generate(
+                client.request(
+                    token_ids=prompt_ids, max_tokens=max_tokens, temperature=0, ignore_eos=True
+                )
+            )
     finally:
         router.config = own
 
@@ -215,12 +248,18 @@ def _turn(system, prompt_ids: list[int], max_tokens: int = 10, **router_config):
 def _first_turn(system, tokenizer, question: str):
     """A conversation's first turn: (its prompt ids, its completion, one KV block's bytes)."""
     prompt = tokenizer.encode(_SYSTEM + question)
-    return prompt, _turn(system, prompt), system.system.router.decode_pool.workers[0].info.kv_block_bytes
+    return (
+        prompt,
+        _turn(system, prompt),
+        system.system.router.decode_pool.workers[0].info.kv_block_bytes,
+    )
 
 
 def test_later_turns_go_where_the_history_is_cached_and_ship_only_new_blocks(system, smollm_fp32):
     tokenizer = smollm_fp32.tokenizer
-    prompt, first, block_bytes = _first_turn(system, tokenizer, "Question: why did towns grow at river crossings?")
+    prompt, first, block_bytes = _first_turn(
+        system, tokenizer, "Question: why did towns grow at river crossings?"
+    )
     assert first.prefill_worker and first.timings.kv_bytes == -(-len(prompt) // 16) * block_bytes
     reused_before = _counter(system, "kv_bytes_reused").get((), 0)
     for question in (" And why near river mouths?", " What did traders carry on the rivers?"):
@@ -228,11 +267,15 @@ def test_later_turns_go_where_the_history_is_cached_and_ship_only_new_blocks(sys
         history = prompt + first.token_ids
         prompt = prompt + new
         turn = _turn(system, prompt)
-        assert turn.decode_worker == first.decode_worker  # prefix routing: the decode worker holding the history
+        # prefix routing: the decode worker holding the history
+        assert turn.decode_worker == first.decode_worker
         assert turn.prefill_worker  # pd_policy "remote": still prefilled on the prefill pool...
         new_blocks = -(-(len(new)) // 16)
-        assert turn.timings.kv_bytes <= (new_blocks + 1) * block_bytes  # ...which ships only the new blocks
-        assert turn.usage.cached_prompt_tokens >= (len(history) - len(first.token_ids)) // 16 * 16 - 16
+        # ...which ships only the new blocks
+        assert turn.timings.kv_bytes <= (new_blocks + 1) * block_bytes
+        assert (
+            turn.usage.cached_prompt_tokens >= (len(history) - len(first.token_ids)) // 16 * 16 - 16
+        )
         assert list(turn.token_ids) == _cold(smollm_fp32, prompt, 10)
         first = turn
     assert _counter(system, "kv_bytes_reused").get((), 0) > reused_before
@@ -246,7 +289,8 @@ def test_a_later_turn_prefills_on_the_decode_worker_holding_its_history(system, 
     prompt, first, _ = _first_turn(system, tokenizer, "Question: what is a ford?")
     prompt = prompt + first.token_ids + tokenizer.encode(" Thanks. And a ferry?")
     turn = _turn(system, prompt, pd=PDPolicyConfig("auto", local_max_prompt_tokens=64))
-    assert not turn.prefill_worker and turn.timings.kv_bytes == 0  # computed where it decodes, nothing shipped
+    # computed where it decodes, nothing shipped
+    assert not turn.prefill_worker and turn.timings.kv_bytes == 0
     assert turn.decode_worker == first.decode_worker
     assert turn.usage.cached_prompt_tokens >= len(prompt) - 64
     assert _counter(system, "pd_decisions").get(("local", "prefix_hit"), 0) >= 1
@@ -255,7 +299,9 @@ def test_a_later_turn_prefills_on_the_decode_worker_holding_its_history(system, 
 
 def test_load_routing_ships_the_whole_prompt(system, smollm_fp32):
     tokenizer = smollm_fp32.tokenizer
-    prompt, first, block_bytes = _first_turn(system, tokenizer, "Question: who built the first bridges?")
+    prompt, first, block_bytes = _first_turn(
+        system, tokenizer, "Question: who built the first bridges?"
+    )
     prompt = prompt + first.token_ids + tokenizer.encode(" And the first canals?")
     turn = _turn(system, prompt, routing=RoutingConfig("load"))
     assert turn.timings.kv_bytes == -(-len(prompt) // 16) * block_bytes

@@ -50,7 +50,9 @@ def ends():
 
     yield make
     for end in made:
-        assert end.all_free, f"leaked {end.allocator.num_blocks - end.allocator.num_free_blocks} blocks"
+        assert end.all_free, (
+            f"leaked {end.allocator.num_blocks - end.allocator.num_free_blocks} blocks"
+        )
 
 
 @pytest.fixture
@@ -60,9 +62,17 @@ def grpc_pair(ends):
 
     def make(send_layout: KVLayout = FP32, recv_layout: KVLayout | None = None, **receiver_options):
         sender_end, receiver_end = ends(send_layout), ends(recv_layout or send_layout)
-        receiver = create_receiver("grpc", receiver_end.cache, receiver_end.allocator, host="127.0.0.1", port=0,
-                                   **receiver_options)
-        sender = create_sender("grpc", sender_end.cache, sender_end.allocator, "prefill-0", 1, chunk_bytes=64 << 10)
+        receiver = create_receiver(
+            "grpc",
+            receiver_end.cache,
+            receiver_end.allocator,
+            host="127.0.0.1",
+            port=0,
+            **receiver_options,
+        )
+        sender = create_sender(
+            "grpc", sender_end.cache, sender_end.allocator, "prefill-0", 1, chunk_bytes=64 << 10
+        )
         closers.extend([sender.close, receiver.close])
         return sender, receiver, sender_end, receiver_end
 
@@ -71,8 +81,15 @@ def grpc_pair(ends):
         close()
 
 
-def open_handoff(sender, receiver, sender_end, num_blocks: int, reserve_timeout_s: float = 5.0,
-                 lease_s: float | None = None, first_layers: slice = slice(0, 1)) -> list[int]:
+def open_handoff(
+    sender,
+    receiver,
+    sender_end,
+    num_blocks: int,
+    reserve_timeout_s: float = 5.0,
+    lease_s: float | None = None,
+    first_layers: slice = slice(0, 1),
+) -> list[int]:
     """Allocates, reserves, starts request "r" and ships its first layer group; returns the sender's blocks."""
     blocks = sender_end.allocator.allocate(num_blocks)
     receiver.reserve("r", num_blocks, timeout_s=reserve_timeout_s)
@@ -100,9 +117,19 @@ def settle(sender, receiver, request_id: str, timeout_s: float = 5.0):
 
 # --- wire format ---------------------------------------------------------------------------------
 
+
 def header_for(layout: KVLayout = FP32, **changes) -> KVGroupHeader:
-    header = KVGroupHeader("req-1", "prefill-0", 3, layout, 0, layout.num_layers, 2,
-                           2 * layout.bytes_per_block, 0xDEADBEEF)
+    header = KVGroupHeader(
+        "req-1",
+        "prefill-0",
+        3,
+        layout,
+        0,
+        layout.num_layers,
+        2,
+        2 * layout.bytes_per_block,
+        0xDEADBEEF,
+    )
     return dataclasses.replace(header, **changes)
 
 
@@ -113,7 +140,9 @@ def test_header_round_trip():
 
 def test_header_version_mismatch_is_typed_error():
     other = WIRE_VERSION + 1
-    with pytest.raises(WireVersionError, match=f"version {other} .* speaks version {WIRE_VERSION}") as caught:
+    with pytest.raises(
+        WireVersionError, match=f"version {other} .* speaks version {WIRE_VERSION}"
+    ) as caught:
         KVGroupHeader.decode(header_for(version=other).encode(), FP32)
     assert caught.value.request_id == "req-1"
 
@@ -121,10 +150,14 @@ def test_header_version_mismatch_is_typed_error():
 def test_header_layout_mismatch_names_the_field():
     other = dataclasses.replace(FP32, block_size_tokens=8)
     with pytest.raises(LayoutMismatchError, match="block_size_tokens 8 != ours 4"):
-        KVGroupHeader.decode(header_for(other, payload_bytes=2 * other.bytes_per_block).encode(), FP32)
+        KVGroupHeader.decode(
+            header_for(other, payload_bytes=2 * other.bytes_per_block).encode(), FP32
+        )
 
 
-@pytest.mark.parametrize("garbage", [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"version": 1})])
+@pytest.mark.parametrize(
+    "garbage", [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"version": 1})]
+)
 def test_header_garbage_is_wire_format_error(garbage):
     with pytest.raises(WireFormatError):
         KVGroupHeader.decode(garbage, FP32)
@@ -136,6 +169,7 @@ def test_header_payload_length_must_match_shape():
 
 
 # --- grpc transport ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout,num_blocks", [(FP32, 1), (FP32, 7), (BF16, 3), (BF16, 20)])
 @pytest.mark.parametrize("mode", ["whole", "layerwise"])
@@ -165,7 +199,8 @@ def corrupting(frames, frame_index: int):
         yield frame
 
 
-@pytest.mark.parametrize("corrupt_frame", [1, 5])  # a byte of the first group's payload; of the last
+# a byte of the first group's payload; of the last
+@pytest.mark.parametrize("corrupt_frame", [1, 5])
 def test_grpc_flipped_byte_is_caught_and_nothing_is_ready(grpc_pair, corrupt_frame):
     sender, receiver, sender_end, receiver_end = grpc_pair()
     blocks = sender_end.allocator.allocate(3)
@@ -174,7 +209,8 @@ def test_grpc_flipped_byte_is_caught_and_nothing_is_ready(grpc_pair, corrupt_fra
     sender._frames = lambda stream: corrupting(original_frames(stream), corrupt_frame)
     receiver.reserve("r", 3, timeout_s=5.0)
     sender.start("r", blocks, receiver.address)
-    for layers in LAYER_GROUPS["layerwise"]:  # frames: h, payload, h, payload... (payload < 1 chunk)
+    # frames: h, payload, h, payload... (payload < 1 chunk)
+    for layers in LAYER_GROUPS["layerwise"]:
         sender.send_layers("r", layers)
 
     receiver_error, sender_error = settle(sender, receiver, "r")
@@ -183,11 +219,16 @@ def test_grpc_flipped_byte_is_caught_and_nothing_is_ready(grpc_pair, corrupt_fra
 
 
 def test_grpc_layout_mismatch_fails_both_sides_at_first_message(grpc_pair):
-    sender, receiver, sender_end, receiver_end = grpc_pair(FP32, dataclasses.replace(FP32, dtype="bfloat16"))
-    open_handoff(sender, receiver, sender_end, 2)  # the stream stays open: the first header alone must fail it
+    sender, receiver, sender_end, receiver_end = grpc_pair(
+        FP32, dataclasses.replace(FP32, dtype="bfloat16")
+    )
+    # the stream stays open: the first header alone must fail it
+    open_handoff(sender, receiver, sender_end, 2)
     receiver_error, sender_error = settle(sender, receiver, "r")
     for error in (receiver_error, sender_error):
-        assert isinstance(error, LayoutMismatchError) and "dtype 'float32' != ours 'bfloat16'" in str(error)
+        assert isinstance(
+            error, LayoutMismatchError
+        ) and "dtype 'float32' != ours 'bfloat16'" in str(error)
 
 
 def test_grpc_version_mismatch_rejected_at_first_frame(grpc_pair):
@@ -198,7 +239,9 @@ def test_grpc_version_mismatch_rejected_at_first_frame(grpc_pair):
         with pytest.raises(grpc.RpcError) as caught:
             channel.stream_unary(PUSH_METHOD)(iter([bad]), timeout=5.0)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert caught.value.details().startswith(f"WireVersionError: KV wire format version {WIRE_VERSION + 1}")
+    assert caught.value.details().startswith(
+        f"WireVersionError: KV wire format version {WIRE_VERSION + 1}"
+    )
     events = receiver.poll()
     assert isinstance(dict(events.failed)["r"], WireVersionError)
 
@@ -207,7 +250,8 @@ def test_grpc_sender_gone_mid_transfer_frees_reservation(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair()
     open_handoff(sender, receiver, sender_end, 4, first_layers=slice(0, 2))
     wait_for(lambda: receiver._contexts.get("r") is not None)
-    for channel in sender._channels.values():  # what the receiver sees when the sender's process dies
+    # what the receiver sees when the sender's process dies
+    for channel in sender._channels.values():
         channel.close()
     error = wait_for(lambda: dict(receiver.poll().failed).get("r"), timeout_s=3.0)
     assert isinstance(error, TransferAbortedError)
@@ -216,7 +260,8 @@ def test_grpc_sender_gone_mid_transfer_frees_reservation(grpc_pair):
 
 def test_grpc_silent_sender_reservation_expires(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair()
-    open_handoff(sender, receiver, sender_end, 2, reserve_timeout_s=0.3)  # then the sender stalls, stream open
+    # then the sender stalls, stream open
+    open_handoff(sender, receiver, sender_end, 2, reserve_timeout_s=0.3)
     assert receiver.poll().failed == ()
     error = wait_for(lambda: dict(receiver.poll().failed).get("r"), timeout_s=3.0)
     assert isinstance(error, ReservationExpiredError) and "1/4 layers" in str(error)
@@ -225,10 +270,12 @@ def test_grpc_silent_sender_reservation_expires(grpc_pair):
 
 def test_grpc_unacknowledged_lease_expires(grpc_pair):
     sender, receiver, sender_end, receiver_end = grpc_pair()
-    open_handoff(sender, receiver, sender_end, 2, lease_s=0.3)  # the last layers never go out: no ack can come
+    # the last layers never go out: no ack can come
+    open_handoff(sender, receiver, sender_end, 2, lease_s=0.3)
     receiver_result, sender_error = settle(sender, receiver, "r")
     assert isinstance(sender_error, LeaseExpiredError)
-    assert isinstance(receiver_result, TransferAbortedError)  # the stream was cut: reservation freed
+    # the stream was cut: reservation freed
+    assert isinstance(receiver_result, TransferAbortedError)
 
 
 def test_grpc_abort_by_sender_frees_both(grpc_pair):
@@ -262,9 +309,13 @@ def test_transports_are_imported_only_when_chosen():
     import subprocess
     import sys
 
-    code = ("import sys, kvtransfer; assert 'ray' not in sys.modules and 'grpc' not in sys.modules; "
-            "from engine.kv_cache import KVLayout\n"
-            "try:\n kvtransfer.create_sender('nope')\nexcept ValueError as e: print(e)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, kvtransfer; assert 'ray' not in sys.modules and 'grpc' not in sys.modules; "
+        "from engine.kv_cache import KVLayout\n"
+        "try:\n kvtransfer.create_sender('nope')\nexcept ValueError as e: print(e)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert "unknown KV transport 'nope'; known: grpc, ray" in result.stdout

@@ -35,9 +35,17 @@ pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster d
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this module sizes its own
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=512 << 20,
-             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    # the session's shared cluster (tests/conftest.py), if it is up: this module sizes its own
+    ray.shutdown()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=512 << 20,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
         yield
     finally:
@@ -52,16 +60,23 @@ def ray_pair(local_ray):
 
     def make(layout: KVLayout = FP32):
         nonlocal sender_end, receiver_end
-        sender_end, receiver_end = KVEnd.make(layout, TOTAL_BLOCKS), KVEnd.make(layout, TOTAL_BLOCKS)
+        sender_end, receiver_end = (
+            KVEnd.make(layout, TOTAL_BLOCKS),
+            KVEnd.make(layout, TOTAL_BLOCKS),
+        )
         sender = create_sender("ray", sender_end.cache, sender_end.allocator, "prefill-0", 7)
-        receiver = create_receiver("ray", receiver_end.cache, receiver_end.allocator, get_timeout_s=5.0)
+        receiver = create_receiver(
+            "ray", receiver_end.cache, receiver_end.allocator, get_timeout_s=5.0
+        )
         pairs.append((sender_end, receiver_end))
         return sender, receiver, sender_end, receiver_end
 
     yield make
     for ends in pairs:
         for end in ends:
-            assert end.all_free, f"leaked {end.allocator.num_blocks - end.allocator.num_free_blocks} blocks"
+            assert end.all_free, (
+                f"leaked {end.allocator.num_blocks - end.allocator.num_free_blocks} blocks"
+            )
 
 
 @pytest.mark.parametrize("layout,num_blocks", [(FP32, 1), (FP32, 9), (BF16, 2), (BF16, 17)])
@@ -105,7 +120,9 @@ def test_ray_version_mismatch_at_first_message(ray_pair):
     delivery = sender.send_layers("r")
     header = KVGroupHeader.decode(delivery.header, FP32)
     with pytest.raises(WireVersionError):
-        receiver.deliver(RayKVDelivery(dataclasses.replace(header, version=99).encode(), delivery.payload))
+        receiver.deliver(
+            RayKVDelivery(dataclasses.replace(header, version=99).encode(), delivery.payload)
+        )
     assert isinstance(dict(receiver.poll().failed)["r"], WireVersionError)
     sender.abort("r")
 
@@ -115,7 +132,8 @@ def test_ray_unacknowledged_lease_expires_and_silent_sender_reservation_expires(
     blocks = sender_end.allocator.allocate(2)
     receiver.reserve("r", 2, timeout_s=0.3)
     sender.start("r", blocks, lease_s=0.3)
-    receiver.deliver(sender.send_layers("r", slice(0, 1)))  # the rest never comes, no ack ever comes
+    # the rest never comes, no ack ever comes
+    receiver.deliver(sender.send_layers("r", slice(0, 1)))
     assert sender.poll().failed == () and receiver.poll().failed == ()
     time.sleep(0.35)
     assert isinstance(dict(sender.poll().failed)["r"], LeaseExpiredError)
@@ -135,8 +153,12 @@ def test_ray_abort_from_either_side_frees_both(ray_pair, aborting_side):
     assert sender_end.all_free and receiver_end.all_free
     with pytest.raises(KeyError):
         sender.send_layers("r", slice(1, None))
-    late = RayKVDelivery(KVGroupHeader("r", "prefill-0", 7, FP32, 1, 4, 2,
-                                       3 * 2 * FP32.bytes_per_block_per_layer, 0).encode(), ray.put(b"x"))
+    late = RayKVDelivery(
+        KVGroupHeader(
+            "r", "prefill-0", 7, FP32, 1, 4, 2, 3 * 2 * FP32.bytes_per_block_per_layer, 0
+        ).encode(),
+        ray.put(b"x"),
+    )
     with pytest.raises(UnknownRequestError):
         receiver.deliver(late)
 
@@ -161,7 +183,9 @@ def test_actors_layerwise_round_trip_is_bit_identical(local_ray, transport):
         reserved = ray.get(decode.reserve.remote("r", 20, 10.0))
         ray.get(prefill.start.remote("r", blocks, ray.get(decode.address.remote())))
         for layers in LAYER_GROUPS["layerwise"]:
-            delivery = ray.get(prefill.send.remote("r", layers.start or 0, layers.stop or BF16.num_layers))
+            delivery = ray.get(
+                prefill.send.remote("r", layers.start or 0, layers.stop or BF16.num_layers)
+            )
             if transport == "ray":  # only the ObjectRef travels through here (the router's seat)
                 assert isinstance(delivery.payload, ray.ObjectRef)
                 ray.get(decode.deliver.remote(delivery))
@@ -171,7 +195,8 @@ def test_actors_layerwise_round_trip_is_bit_identical(local_ray, transport):
         else:
             assert ray.get(prefill.wait_settled.remote("r", 10.0)) == ("acknowledged", None)
         assert ray.get(decode.digest.remote(reserved)) == ray.get(prefill.digest.remote(blocks))
-        ray.get(decode.free.remote(reserved))  # the decode worker owns them now; the sender freed its own
+        # the decode worker owns them now; the sender freed its own
+        ray.get(decode.free.remote(reserved))
         assert_all_free(prefill, decode)
     finally:
         ray.get([prefill.close.remote(), decode.close.remote()])
@@ -192,11 +217,13 @@ def test_actors_sender_dies_mid_transfer_frees_reservation(local_ray, transport)
             assert ray.get(decode.deliver.remote(first)) is False
         ray.kill(prefill, no_restart=True)  # dies with layers 2.. unsent
         with pytest.raises(ray.exceptions.RayActorError):
-            deadline = time.monotonic() + 10  # the kill is asynchronous: calls succeed until it lands
+            # the kill is asynchronous: calls succeed until it lands
+            deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 ray.get(prefill.free_and_total_blocks.remote(), timeout=10)
                 time.sleep(0.05)
-        if transport == "ray":  # a routed ref whose owner died: unreachable, or still in the local store
+        # a routed ref whose owner died: unreachable, or still in the local store
+        if transport == "ray":
             outcome = ray.get(decode.deliver.remote(second))
             assert outcome is False or outcome[0] == "TransferAbortedError", outcome
         started = time.monotonic()

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when ray is imported: servers on 127.0.0.1
+# read when ray is imported: servers on 127.0.0.1
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray  # noqa: E402
 
 from engine.kv_cache import KVLayout  # noqa: E402
@@ -27,9 +28,17 @@ pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster d
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this module sizes its own
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=256 << 20,
-             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    # the session's shared cluster (tests/conftest.py), if it is up: this module sizes its own
+    ray.shutdown()
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=256 << 20,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
         yield
     finally:
@@ -46,13 +55,22 @@ class Pair:
         self.group = form_group([self.prefill], [self.decode], backend="gloo")
 
     def send(self, request_id: str, layers: slice) -> RdtKVDelivery:
-        return ray.get(self.prefill.send.remote(request_id, layers.start or 0, layers.stop or self.layout.num_layers))
+        return ray.get(
+            self.prefill.send.remote(
+                request_id, layers.start or 0, layers.stop or self.layout.num_layers
+            )
+        )
 
     def deliver(self, delivery):
         return ray.get(self.decode.deliver.remote(delivery))
 
     def assert_all_free(self) -> None:
-        for free, total in ray.get([self.prefill.free_and_total_blocks.remote(), self.decode.free_and_total_blocks.remote()]):
+        for free, total in ray.get(
+            [
+                self.prefill.free_and_total_blocks.remote(),
+                self.decode.free_and_total_blocks.remote(),
+            ]
+        ):
             assert free == total, f"leaked {total - free} blocks"
 
     def close(self) -> None:
@@ -87,7 +105,14 @@ def pair(pairs):
     used.assert_all_free()
 
 
-def _start(pair: Pair, request_id: str, num_blocks: int, seed: int = 0, timeout_s: float = 10.0, lease_s: float = 30.0):
+def _start(
+    pair: Pair,
+    request_id: str,
+    num_blocks: int,
+    seed: int = 0,
+    timeout_s: float = 10.0,
+    lease_s: float = 30.0,
+):
     blocks = ray.get(pair.prefill.allocate_random.remote(num_blocks, seed))
     reserved = ray.get(pair.decode.reserve.remote(request_id, num_blocks, timeout_s))
     ray.get(pair.prefill.start.remote(request_id, blocks, None, lease_s))
@@ -103,12 +128,16 @@ def test_rdt_actors_round_trip_is_bit_identical(pairs, layout, num_blocks, mode)
     readiness = []
     for layers in LAYER_GROUPS[mode]:
         delivery = pair.send(request_id, layers)
-        assert len(delivery.header) < 4096 and isinstance(delivery.sender, ray.actor.ActorHandle)  # no payload routed
+        # no payload routed
+        assert len(delivery.header) < 4096 and isinstance(delivery.sender, ray.actor.ActorHandle)
         readiness.append(pair.deliver(delivery))
     assert readiness[-1] is True and not any(readiness[:-1])  # ready only once the last group is in
     assert ray.get(pair.decode.wait_settled.remote(request_id, 10.0)) == ("ready", reserved)
-    assert ray.get(pair.decode.digest.remote(reserved)) == ray.get(pair.prefill.digest.remote(blocks))
-    ray.get(pair.prefill.acknowledge.remote(request_id))  # the caller relays the ack (the router, in the system)
+    assert ray.get(pair.decode.digest.remote(reserved)) == ray.get(
+        pair.prefill.digest.remote(blocks)
+    )
+    # the caller relays the ack (the router, in the system)
+    ray.get(pair.prefill.acknowledge.remote(request_id))
     ray.get(pair.decode.free.remote(reserved))  # the decode worker owns them now
     pair.assert_all_free()
 
@@ -128,7 +157,8 @@ def test_rdt_flipped_byte_is_caught_and_nothing_is_installed(pair):
     ray.get(pair.prefill.__ray_call__.remote(_flip_staged_byte, "corrupt", 2, 123))
     name, message = pair.deliver(delivery)
     assert name == "ChecksumError" and "nothing installed" in message
-    assert ray.get(pair.decode.digest.remote(reserved)) == installed != before  # layers 2.. untouched
+    # layers 2.. untouched
+    assert ray.get(pair.decode.digest.remote(reserved)) == installed != before
     name, _ = ray.get(pair.decode.wait_settled.remote("corrupt", 5.0))
     assert name == "ChecksumError"  # failed, never ready; its blocks are freed by that poll
     ray.get(pair.prefill.abort.remote("corrupt"))  # the caller relays the failure as an abort
@@ -138,7 +168,9 @@ def test_rdt_version_mismatch_at_first_message(pair):
     _start(pair, "v99", 2)
     delivery = pair.send("v99", slice(None))
     header = KVGroupHeader.decode(delivery.header, FP32)
-    name, _ = pair.deliver(dataclasses.replace(delivery, header=dataclasses.replace(header, version=99).encode()))
+    name, _ = pair.deliver(
+        dataclasses.replace(delivery, header=dataclasses.replace(header, version=99).encode())
+    )
     assert name == "WireVersionError"
     assert ray.get(pair.decode.wait_settled.remote("v99", 5.0))[0] == "WireVersionError"
     ray.get(pair.prefill.abort.remote("v99"))
@@ -146,7 +178,8 @@ def test_rdt_version_mismatch_at_first_message(pair):
 
 def test_rdt_unacknowledged_lease_expires_and_silent_sender_reservation_expires(pair):
     _start(pair, "silent", 2, timeout_s=0.5, lease_s=0.5)
-    assert pair.deliver(pair.send("silent", slice(0, 1))) is False  # the rest never comes, nor an ack
+    # the rest never comes, nor an ack
+    assert pair.deliver(pair.send("silent", slice(0, 1))) is False
     assert ray.get(pair.prefill.wait_settled.remote("silent", 5.0))[0] == "LeaseExpiredError"
     assert ray.get(pair.decode.wait_settled.remote("silent", 5.0))[0] == "ReservationExpiredError"
 
@@ -156,7 +189,9 @@ def test_rdt_abort_from_either_side_frees_both(pair, aborting_side):
     _start(pair, "gone", 2)
     assert pair.deliver(pair.send("gone", slice(0, 1))) is False
     late = pair.send("gone", slice(1, None))  # staged, not pulled yet
-    first, second = (pair.prefill, pair.decode) if aborting_side == "sender" else (pair.decode, pair.prefill)
+    first, second = (
+        (pair.prefill, pair.decode) if aborting_side == "sender" else (pair.decode, pair.prefill)
+    )
     ray.get(first.abort.remote("gone"))
     ray.get(second.abort.remote("gone"))  # the caller relays an abort to the other side
     pair.assert_all_free()
@@ -182,7 +217,8 @@ def test_rdt_sender_dying_before_the_pull_fails_the_request_and_frees_the_reserv
         second = pair.send("orphan", slice(1, 2))
         ray.kill(pair.prefill, no_restart=True)  # dies with layers 1.. staged but not pulled
         with pytest.raises(ray.exceptions.RayActorError):
-            deadline = time.monotonic() + 10  # the kill is asynchronous: calls succeed until it lands
+            # the kill is asynchronous: calls succeed until it lands
+            deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 ray.get(pair.prefill.free_and_total_blocks.remote(), timeout=10)
                 time.sleep(0.05)
@@ -198,7 +234,9 @@ def test_rdt_sender_dying_before_the_pull_fails_the_request_and_frees_the_reserv
 
 
 def test_device_checksum_is_the_weighted_word_sum_and_catches_a_flipped_bit():
-    payload = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    payload = torch.randint(
+        0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)
+    )
     words = payload.view(torch.int32).tolist()
     assert device_checksum(payload) == sum((2 * i + 1) * w for i, w in enumerate(words)) % (1 << 64)
     for index in (0, 1234, 4095):
@@ -207,7 +245,9 @@ def test_device_checksum_is_the_weighted_word_sum_and_catches_a_flipped_bit():
         assert device_checksum(flipped) != device_checksum(payload)
     swapped = payload.view(torch.int32).clone()
     swapped[[3, 700]] = swapped[[700, 3]]
-    assert swapped[3] != swapped[700] and device_checksum(swapped.view(torch.uint8)) != device_checksum(payload)
+    assert swapped[3] != swapped[700] and device_checksum(
+        swapped.view(torch.uint8)
+    ) != device_checksum(payload)
 
 
 def test_a_tensor_payload_verified_by_the_device_checksum_installs_bit_identical_or_not_at_all():
@@ -224,8 +264,17 @@ def test_a_tensor_payload_verified_by_the_device_checksum_installs_bit_identical
     receiver = RdtKVReceiver(receiver_end.cache, receiver_end.allocator)
     for request_id, corrupt in (("bad", True), ("good", False)):
         reserved = receiver.reserve(request_id, 3, timeout_s=5.0)
-        header = KVGroupHeader(request_id, "prefill-0", 1, FP32, 0, FP32.num_layers, 3, payload.numel(),
-                               device_checksum(payload))
+        header = KVGroupHeader(
+            request_id,
+            "prefill-0",
+            1,
+            FP32,
+            0,
+            FP32.num_layers,
+            3,
+            payload.numel(),
+            device_checksum(payload),
+        )
         received = payload.clone()
         if corrupt:
             received[77] ^= 0x04
@@ -233,7 +282,10 @@ def test_a_tensor_payload_verified_by_the_device_checksum_installs_bit_identical
                 receiver.install(header, received, payload_checksum=device_checksum(received))
             assert not torch.equal(receiver_end.blocks_bytes(reserved).reshape(-1), payload)
         else:
-            assert receiver.install(header, received, payload_checksum=device_checksum(received)) is True
+            assert (
+                receiver.install(header, received, payload_checksum=device_checksum(received))
+                is True
+            )
             assert torch.equal(receiver_end.blocks_bytes(reserved).reshape(-1), payload)
     events = receiver.poll()
     assert set(events.ready) == {"good"} and isinstance(dict(events.failed)["bad"], ChecksumError)

@@ -16,7 +16,11 @@ def _logits(loaded, ids):
     n = len(ids)
     dtype = next(loaded.model.parameters()).dtype
     cache = PagedKVCache(KVLayout.for_model(loaded.config, 8, dtype), -(-n // 8))
-    batch = ForwardBatch(torch.arange(n), torch.arange(n), prefill_slices=[PrefillSlice(0, n, n, torch.arange(-(-n // 8)))])
+    batch = ForwardBatch(
+        torch.arange(n),
+        torch.arange(n),
+        prefill_slices=[PrefillSlice(0, n, n, torch.arange(-(-n // 8)))],
+    )
     return loaded.model(torch.tensor(ids), batch, cache.k_caches, cache.v_caches)
 
 
@@ -33,12 +37,28 @@ def hf_tokenizer_files(tmp_path_factory, default_gguf):
 def test_hf_directory_matches_transformers(tmp_path, hf_tokenizer_files, family):
     import transformers
 
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if family == "llama3-scaled":
-        config = transformers.LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False,
-                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        config = transformers.LlamaConfig(
+            **common,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
         reference = transformers.LlamaForCausalLM(config)
     else:
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
@@ -82,7 +102,9 @@ def test_unknown_paths_and_bad_files_are_clear_errors(tmp_path, default_gguf):
     with pytest.raises(GGUFError, match="corrupt or truncated"):
         load_model(str(truncated))
     (tmp_path / "hfdir").mkdir()
-    (tmp_path / "hfdir" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "hfdir" / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(ValueError, match="unsupported architecture"):
         load_model(str(tmp_path / "hfdir"))
 
@@ -92,20 +114,32 @@ def test_bf16_cpu_models_use_packed_linears_that_match_f_linear_bit_for_bit(monk
 
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     # The pinned torch build (scripts/bootstrap.sh) must have oneDNN and the packing ops: a failure, not a skip.
-    assert torch.backends.mkldnn.is_available(), f"torch {torch.__version__} was built without oneDNN"
-    assert hasattr(torch.ops.mkldnn, "_reorder_linear_weight"), f"torch {torch.__version__} lacks mkldnn._reorder_linear_weight"
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # a property of the CPU, not of the install
-        pytest.skip("this CPU lacks the ISA oneDNN needs for bf16 (x86: AVX-512 core or AVX2-VNNI-2; ARM: bf16)")
+    assert torch.backends.mkldnn.is_available(), (
+        f"torch {torch.__version__} was built without oneDNN"
+    )
+    assert hasattr(torch.ops.mkldnn, "_reorder_linear_weight"), (
+        f"torch {torch.__version__} lacks mkldnn._reorder_linear_weight"
+    )
+    # a property of the CPU, not of the install
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip(
+            "this CPU lacks the ISA oneDNN needs for bf16 (x86: AVX-512 core or AVX2-VNNI-2; ARM: bf16)"
+        )
     assert packing_supported(torch.bfloat16, "cpu")
     loaded = load_model("dummy:tiny", torch.bfloat16)
     packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
-    assert len(packed) == 4 * loaded.config.num_layers + 1  # qkv, o, gate_up, down per layer + the tied head
+    # qkv, o, gate_up, down per layer + the tied head
+    assert len(packed) == 4 * loaded.config.num_layers + 1
     weight = torch.randn(96, 64).bfloat16()
     bias = torch.randn(96).bfloat16()
     for rows in (1, 7, 300):
         x = torch.randn(rows, 64).bfloat16()
-        assert torch.equal(PackedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
-    assert not any(isinstance(m, PackedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules())  # fp32: transposed
+        assert torch.equal(
+            PackedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias)
+        )
+    assert not any(
+        isinstance(m, PackedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules()
+    )  # fp32: transposed
 
 
 def test_fp32_cpu_models_use_transposed_linears_that_match_f_linear(monkeypatch):
@@ -114,17 +148,27 @@ def test_fp32_cpu_models_use_transposed_linears_that_match_f_linear(monkeypatch)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     loaded = load_model("dummy:tiny", torch.float32)
     layers = [m for m in loaded.model.modules() if isinstance(m, TransposedLinear)]
-    assert len(layers) == 4 * loaded.config.num_layers + 1  # qkv, o, gate_up, down per layer + the tied head
+    # qkv, o, gate_up, down per layer + the tied head
+    assert len(layers) == 4 * loaded.config.num_layers + 1
     weight, bias = torch.randn(96, 64), torch.randn(96)
     for rows in (1, 3, 8, 15):  # decode: MKL's kernel for this layout sums in another order
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(TransposedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            TransposedLinear(weight, bias)(x),
+            torch.nn.functional.linear(x, weight, bias),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     for rows in (16, 300):  # prefill: the same kernel as F.linear's, bit for bit
         x = torch.randn(rows, 64)
-        assert torch.equal(TransposedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
+        assert torch.equal(
+            TransposedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias)
+        )
     monkeypatch.setenv(DISABLE_ENV, "1")
-    assert not any(isinstance(m, TransposedLinear) for m in load_model("dummy:tiny", torch.float32).model.modules())
+    assert not any(
+        isinstance(m, TransposedLinear)
+        for m in load_model("dummy:tiny", torch.float32).model.modules()
+    )
 
 
 def test_fp32_decode_batches_on_avx2_use_onednn_packed_weights_beside_the_transposed_ones():
@@ -139,10 +183,14 @@ def test_fp32_decode_batches_on_avx2_use_onednn_packed_weights_beside_the_transp
     weight, bias = torch.randn(96, 64), torch.randn(96)
     layer = TransposedLinear(weight, bias, pack_for_decode=True)
     assert layer.packed_weight is not None and "packed_weight" not in layer.state_dict()
-    for rows in (2, 5, 16, DECODE_PACKED_MAX_ROWS - 1):  # decode batches: oneDNN's sums, to fp32 rounding
+    # decode batches: oneDNN's sums, to fp32 rounding
+    for rows in (2, 5, 16, DECODE_PACKED_MAX_ROWS - 1):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    for rows in (DECODE_PACKED_MAX_ROWS, 300):  # prefill chunks: the transposed weight, F.linear's bits
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5
+        )
+    # prefill chunks: the transposed weight, F.linear's bits
+    for rows in (DECODE_PACKED_MAX_ROWS, 300):
         x = torch.randn(rows, 64)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, bias))
     assert TransposedLinear(weight, bias, pack_for_decode=False).packed_weight is None
@@ -154,7 +202,11 @@ def test_loading_the_default_model_does_not_import_torch_dynamo():
     import subprocess
     import sys
 
-    script = ("import sys; from engine.weights import load_model; load_model(); "
-              "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    script = (
+        "import sys; from engine.weights import load_model; load_model(); "
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]

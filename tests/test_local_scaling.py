@@ -15,8 +15,10 @@ pytestmark = pytest.mark.own_ray_cluster  # shuts the session's shared cluster d
 def system(tmp_path_factory):
     import ray
 
-    ray.shutdown()  # the session's shared cluster (tests/conftest.py), if it is up: this one is the node's size
-    harness = Harness(str(tmp_path_factory.mktemp("cores")), num_cpus=usable_cpus())  # the node `pdserve serve` starts here
+    # the session's shared cluster (tests/conftest.py), if it is up: this one is the node's size
+    ray.shutdown()
+    # the node `pdserve serve` starts here
+    harness = Harness(str(tmp_path_factory.mktemp("cores")), num_cpus=usable_cpus())
     running = harness.start(num_prefill=1, num_decode=1)
     yield running
     running.stop()
@@ -38,4 +40,6 @@ def test_the_readme_scale_up_works_on_this_machine_and_a_refusal_names_the_numbe
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     details = refused.value.details()
     free = usable_cpus() - 3 * cpus
-    assert f"{cpus:g} CPU" in details and f"{free:g} CPU free of {usable_cpus():g} CPU" in details, details
+    assert (
+        f"{cpus:g} CPU" in details and f"{free:g} CPU free of {usable_cpus():g} CPU" in details
+    ), details

@@ -34,7 +34,9 @@ def _full_prefill_logits(loaded, token_ids, block_size=16):
     blocks = torch.randperm(cache.num_blocks)[: -(-n // block_size)]
     positions = torch.arange(n)
     slots = blocks[positions // block_size] * block_size + positions % block_size
-    batch = ForwardBatch(positions=positions, slot_mapping=slots, prefill_slices=[PrefillSlice(0, n, n, blocks)])
+    batch = ForwardBatch(
+        positions=positions, slot_mapping=slots, prefill_slices=[PrefillSlice(0, n, n, blocks)]
+    )
     return loaded.model(torch.tensor(token_ids), batch, cache.k_caches, cache.v_caches)
 
 
@@ -56,10 +58,14 @@ def engine_fp32(smollm_fp32):
 def _hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_ids):
     with torch.no_grad():
         out = hf_model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_ids), pad_token_id=list(eos_ids)[0],
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_ids),
+            pad_token_id=list(eos_ids)[0],
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_greedy_chat_outputs_are_token_identical_to_hf(engine_fp32, hf_smollm_fp32):
@@ -76,7 +82,9 @@ def test_greedy_chat_outputs_are_token_identical_to_hf(engine_fp32, hf_smollm_fp
 def test_chunked_prefill_and_prefix_cache_give_the_same_tokens(smollm_fp32):
     ids = smollm_fp32.tokenizer.encode(LONG_TEXT)[:200]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    whole = LLMEngine(EngineConfig(max_num_batched_tokens=4096, enable_prefix_caching=False), loaded=smollm_fp32)
+    whole = LLMEngine(
+        EngineConfig(max_num_batched_tokens=4096, enable_prefix_caching=False), loaded=smollm_fp32
+    )
     expected = whole.generate([ids], params)[0].token_ids
     chunked = LLMEngine(EngineConfig(max_num_batched_tokens=48), loaded=smollm_fp32)
     assert chunked.generate([ids], params)[0].token_ids == expected

@@ -35,8 +35,13 @@ REPORT = {}
 
 @pytest.fixture(scope="module")
 def system(harness):
-    running = harness.start(num_prefill=1, num_decode=1, max_in_flight=MAX_IN_FLIGHT,
-                            max_waiting_for_kv=MAX_WAITING_FOR_KV, http_port=0)
+    running = harness.start(
+        num_prefill=1,
+        num_decode=1,
+        max_in_flight=MAX_IN_FLIGHT,
+        max_waiting_for_kv=MAX_WAITING_FOR_KV,
+        http_port=0,
+    )
     yield running
     running.stop()
 
@@ -45,7 +50,10 @@ def system(harness):
 def references(system):
     """Greedy 8-token answers, one request at a time: (token ids, text) per prompt."""
     with system.client() as client:
-        done = {p: client.generate(client.request(p, max_tokens=8, temperature=0, ignore_eos=True)) for p in PROMPTS}
+        done = {
+            p: client.generate(client.request(p, max_tokens=8, temperature=0, ignore_eos=True))
+            for p in PROMPTS
+        }
     return {p: (list(d.token_ids), d.text) for p, d in done.items()}
 
 
@@ -76,15 +84,22 @@ async def _burst(port: int, count: int) -> list[tuple[str, str, list, float]]:
 
 
 def _worker_rss(system) -> dict[str, int]:
-    return {w.worker_id: load.rss_bytes for w, load in asyncio.run_coroutine_threadsafe(
-        system.system.worker_loads(), system.loop).result(30)}
+    return {
+        w.worker_id: load.rss_bytes
+        for w, load in asyncio.run_coroutine_threadsafe(
+            system.system.worker_loads(), system.loop
+        ).result(30)
+    }
 
 
 def _check_admission(accepted: int, refusals: list[str]) -> None:
     """No more accepted than the limits hold; if the in-flight limit refused anyone, it was full then: its
     requests were all accepted, bar those the KV-wait limit refused after admission."""
     assert accepted + len(refusals) == STREAMS
-    assert 0 < len(refusals) and accepted <= MAX_IN_FLIGHT + MAX_WAITING_FOR_KV, (accepted, len(refusals))
+    assert 0 < len(refusals) and accepted <= MAX_IN_FLIGHT + MAX_WAITING_FOR_KV, (
+        accepted,
+        len(refusals),
+    )
     assert all("retry later" in message for message in refusals)
     waiting_refused = sum("--max-waiting" in message for message in refusals)
     if any("--max-in-flight" in message for message in refusals):
@@ -105,35 +120,72 @@ def test_200_concurrent_streams_over_small_queues(system, references):
     elapsed_s = time.monotonic() - started
     kinds = [kind for _, kind, _, _ in results]
     assert set(kinds) <= {"ok", "RESOURCE_EXHAUSTED"}, set(kinds)
-    refused = [(tokens[0], tokens[1], seconds) for _, kind, tokens, seconds in results if kind == "RESOURCE_EXHAUSTED"]
+    refused = [
+        (tokens[0], tokens[1], seconds)
+        for _, kind, tokens, seconds in results
+        if kind == "RESOURCE_EXHAUSTED"
+    ]
     _check_admission(kinds.count("ok"), [message for message, _, _ in refused])
     assert all(trailers.get("retry-after-s") == "1" for _, trailers, _ in refused)
     slowest_refusal_s = max(seconds for _, _, seconds in refused)
     assert slowest_refusal_s < REFUSAL_BOUND_S
-    assert all(tokens == references[prompt][0] for prompt, kind, tokens, _ in results if kind == "ok")
+    assert all(
+        tokens == references[prompt][0] for prompt, kind, tokens, _ in results if kind == "ok"
+    )
     _check_settled(system)
-    REPORT["burst"] = {"streams": STREAMS, "accepted": kinds.count("ok"), "refused": len(refused),
-                       "slowest_refusal_s": round(slowest_refusal_s, 3), "seconds": round(elapsed_s, 1),
-                       "completed_before": baseline.requests_completed}
+    REPORT["burst"] = {
+        "streams": STREAMS,
+        "accepted": kinds.count("ok"),
+        "refused": len(refused),
+        "slowest_refusal_s": round(slowest_refusal_s, 3),
+        "seconds": round(elapsed_s, 1),
+        "completed_before": baseline.requests_completed,
+    }
 
 
 async def _http_burst(port: int, model: str, count: int) -> list[tuple[str, int, dict, str, float]]:
     """`count` streamed completions at once: (prompt, status, headers, text or error body, seconds)."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
+    ) as session:
+
         async def one(prompt: str):
             started = time.monotonic()
-            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
-            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with session.post(
+                f"http://127.0.0.1:{port}/v1/completions", json=body
+            ) as response:
                 raw = await response.text()
                 if response.status != 200:
-                    return prompt, response.status, dict(response.headers), raw, time.monotonic() - started
+                    return (
+                        prompt,
+                        response.status,
+                        dict(response.headers),
+                        raw,
+                        time.monotonic() - started,
+                    )
                 events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
                 assert events[-1] == "[DONE]", raw[-300:]
                 chunks = [json.loads(e) for e in events[:-1]]
-                assert all("error" not in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length", raw[-300:]
+                assert (
+                    all("error" not in c for c in chunks)
+                    and chunks[-1]["choices"][0]["finish_reason"] == "length"
+                ), raw[-300:]
                 text = "".join(c["choices"][0]["text"] for c in chunks)
-                return prompt, response.status, dict(response.headers), text, time.monotonic() - started
+                return (
+                    prompt,
+                    response.status,
+                    dict(response.headers),
+                    text,
+                    time.monotonic() - started,
+                )
 
         return await asyncio.gather(*(one(PROMPTS[i % len(PROMPTS)]) for i in range(count)))
 
@@ -143,15 +195,28 @@ def test_200_concurrent_http_streams_over_small_queues(system, references):
     results = asyncio.run(_http_burst(system.system.http_port, system.config.model_name, STREAMS))
     statuses = [status for _, status, _, _, _ in results]
     assert set(statuses) <= {200, 429}, set(statuses)
-    refused = [(headers, json.loads(body)["error"], seconds) for _, status, headers, body, seconds in results if status == 429]
+    refused = [
+        (headers, json.loads(body)["error"], seconds)
+        for _, status, headers, body, seconds in results
+        if status == 429
+    ]
     _check_admission(statuses.count(200), [error["message"] for _, error, _ in refused])
     assert all(headers.get("Retry-After") == "1" for headers, _, _ in refused)
-    assert all(error["type"] == "rate_limit_error" and error["code"] == "overloaded" for _, error, _ in refused)
+    assert all(
+        error["type"] == "rate_limit_error" and error["code"] == "overloaded"
+        for _, error, _ in refused
+    )
     assert max(seconds for _, _, seconds in refused) < REFUSAL_BOUND_S
-    assert all(text == references[prompt][1] for prompt, status, _, text, _ in results if status == 200)
+    assert all(
+        text == references[prompt][1] for prompt, status, _, text, _ in results if status == 200
+    )
     _check_settled(system)
-    REPORT["http_burst"] = {"streams": STREAMS, "accepted": statuses.count(200), "refused": len(refused),
-                            "slowest_refusal_s": round(max(seconds for _, _, seconds in refused), 3)}
+    REPORT["http_burst"] = {
+        "streams": STREAMS,
+        "accepted": statuses.count(200),
+        "refused": len(refused),
+        "slowest_refusal_s": round(max(seconds for _, _, seconds in refused), 3),
+    }
 
 
 def test_soak_keeps_memory_flat(system, references):
@@ -163,7 +228,9 @@ def test_soak_keeps_memory_flat(system, references):
 
             async def client(index: int):
                 nonlocal done
-                while (time.monotonic() < until_s or done < min_requests) and time.monotonic() < limit_s:
+                while (
+                    time.monotonic() < until_s or done < min_requests
+                ) and time.monotonic() < limit_s:
                     prompt = PROMPTS[(index + done) % len(PROMPTS)]
                     kind, tokens = await _stream(stub, prompt)
                     assert kind == "ok" and tokens == references[prompt][0], (kind, tokens)
@@ -178,11 +245,22 @@ def test_soak_keeps_memory_flat(system, references):
     served = asyncio.run(steady(system.port, time.monotonic() + SOAK_S, SOAK_MIN_REQUESTS))
     system.wait_idle()
     router_after, workers_after = rss_bytes(), _worker_rss(system)
-    growth = {"router": router_after - router_before,
-              **{w: workers_after[w] - workers_before[w] for w in workers_before}}
-    REPORT["soak"] = {"seconds": SOAK_S, "requests": served, "rss_before_mib": {
-        "router": router_before >> 20, **{w: v >> 20 for w, v in workers_before.items()}},
-        "rss_after_mib": {"router": router_after >> 20, **{w: v >> 20 for w, v in workers_after.items()}}}
+    growth = {
+        "router": router_after - router_before,
+        **{w: workers_after[w] - workers_before[w] for w in workers_before},
+    }
+    REPORT["soak"] = {
+        "seconds": SOAK_S,
+        "requests": served,
+        "rss_before_mib": {
+            "router": router_before >> 20,
+            **{w: v >> 20 for w, v in workers_before.items()},
+        },
+        "rss_after_mib": {
+            "router": router_after >> 20,
+            **{w: v >> 20 for w, v in workers_after.items()},
+        },
+    }
     path = os.environ.get("PDSERVE_OVERLOAD_REPORT")
     if path:
         with open(path, "w") as out:
@@ -196,8 +274,11 @@ def test_a_grpc_deadline_ends_the_request_on_its_workers(system):
     started = time.monotonic()
     with PdserveClient(port=system.port, timeout_s=2.0) as client:
         with pytest.raises(grpc.RpcError) as failure:
-            for response in client.stream(client.request("Tell me a very long story.", max_tokens=2000, temperature=0,
-                                                         ignore_eos=True)):
+            for response in client.stream(
+                client.request(
+                    "Tell me a very long story.", max_tokens=2000, temperature=0, ignore_eos=True
+                )
+            ):
                 received += response.token_ids
     assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert received and time.monotonic() - started < 10  # it was decoding when the deadline passed

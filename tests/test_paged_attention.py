@@ -17,7 +17,9 @@ from engine.sampling import SamplingParams
 @pytest.fixture(scope="module")
 def kernel():
     # The engine falls back to torch without a compiler; the tests do not: CI's machine has one.
-    assert shutil.which("cc") or shutil.which("gcc"), "no C compiler (cc or gcc) on PATH: the kernel cannot be tested"
+    assert shutil.which("cc") or shutil.which("gcc"), (
+        "no C compiler (cc or gcc) on PATH: the kernel cannot be tested"
+    )
     loaded = paged_attention.load_kernel()
     assert loaded is not None, "the kernel must build wherever a C compiler exists"
     return loaded
@@ -32,7 +34,8 @@ def _paged_case(num_heads, num_kv_heads, head_dim, block_size, context_lens, dty
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     order = torch.randperm(num_blocks, generator=g).tolist()
     max_blocks = max(blocks_per_seq)
-    tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.long)  # padding points at block 0
+    # padding points at block 0
+    tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.long)
     for row, n in enumerate(blocks_per_seq):
         tables[row, :n] = torch.tensor([order.pop() for _ in range(n)])
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(dtype)
@@ -44,24 +47,50 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     for b, n in enumerate(lens.tolist()):
-        keys = k_cache[tables[b]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
-        values = v_cache[tables[b]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        keys = (
+            k_cache[tables[b]]
+            .flatten(0, 1)[:n]
+            .double()
+            .repeat_interleave(num_heads // num_kv_heads, dim=1)
+        )
+        values = (
+            v_cache[tables[b]]
+            .flatten(0, 1)[:n]
+            .double()
+            .repeat_interleave(num_heads // num_kv_heads, dim=1)
+        )
         probs = (torch.einsum("hd,thd->ht", q[b].double(), keys) * scale).softmax(-1)
         out[b] = torch.einsum("ht,thd->hd", probs, values)
     return out
 
 
 def _attention(num_heads, num_kv_heads, head_dim):
-    return Attention(ModelConfig(name="t", vocab_size=8, hidden_size=num_heads * head_dim, intermediate_size=8,
-                                 num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 max_context_tokens=4096, rms_norm_eps=1e-6, rope_theta=10000.0))
+    return Attention(
+        ModelConfig(
+            name="t",
+            vocab_size=8,
+            hidden_size=num_heads * head_dim,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_context_tokens=4096,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+        )
+    )
 
 
 def _torch_path(q, k_cache, v_cache, tables, lens, scale):
     batch, num_heads, head_dim = q.shape
     attention = _attention(num_heads, k_cache.shape[2], head_dim)
-    batch_info = ForwardBatch(positions=lens - 1, slot_mapping=lens, decode_block_tables=tables, decode_context_lens=lens)
-    return attention._decode_attention(q, k_cache, v_cache, batch_info).view(batch, num_heads, head_dim)
+    batch_info = ForwardBatch(
+        positions=lens - 1, slot_mapping=lens, decode_block_tables=tables, decode_context_lens=lens
+    )
+    return attention._decode_attention(q, k_cache, v_cache, batch_info).view(
+        batch, num_heads, head_dim
+    )
 
 
 SHAPES = [  # num_heads, num_kv_heads, head_dim, block_size
@@ -78,7 +107,9 @@ LENS = [1, 15, 16, 17, 300, 33]  # one token, both sides of a block boundary, a 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 def test_kernel_matches_a_float64_reference_and_the_torch_path(kernel, dtype, atol, shape):
     num_heads, num_kv_heads, head_dim, block_size = shape
-    q, k_cache, v_cache, tables, lens = _paged_case(num_heads, num_kv_heads, head_dim, block_size, LENS, dtype)
+    q, k_cache, v_cache, tables, lens = _paged_case(
+        num_heads, num_kv_heads, head_dim, block_size, LENS, dtype
+    )
     assert kernel.supports(k_cache)
     scale = head_dim**-0.5
     expected = _reference(q, k_cache, v_cache, tables, lens, scale)
@@ -86,7 +117,9 @@ def test_kernel_matches_a_float64_reference_and_the_torch_path(kernel, dtype, at
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), expected, atol=atol, rtol=0)
     # The path it replaces agrees with the same reference to the same tolerance.
-    torch.testing.assert_close(_torch_path(q, k_cache, v_cache, tables, lens, scale).double(), expected, atol=atol, rtol=0)
+    torch.testing.assert_close(
+        _torch_path(q, k_cache, v_cache, tables, lens, scale).double(), expected, atol=atol, rtol=0
+    )
 
 
 def test_rows_outside_a_sequence_never_leak_into_it(kernel):
@@ -114,7 +147,9 @@ def test_a_batch_split_over_threads_gives_the_same_bits(kernel):
     assert torch.equal(one, two)
 
 
-def test_the_build_is_cached_and_a_missing_compiler_falls_back_to_torch(tmp_path, monkeypatch, caplog):
+def test_the_build_is_cached_and_a_missing_compiler_falls_back_to_torch(
+    tmp_path, monkeypatch, caplog
+):
     monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
     built = paged_attention.build()
     assert built.parent == tmp_path / "kernels"
@@ -142,9 +177,15 @@ def test_the_build_is_cached_and_a_missing_compiler_falls_back_to_torch(tmp_path
 def test_engine_uses_the_kernel_and_greedy_output_equals_the_torch_path(kernel, smollm_fp32):
     model = smollm_fp32.model
     attached = model.layers[0].self_attn.decode_kernel
-    assert all(isinstance(layer.self_attn.decode_kernel, paged_attention.PagedDecodeAttention) for layer in model.layers)
+    assert all(
+        isinstance(layer.self_attn.decode_kernel, paged_attention.PagedDecodeAttention)
+        for layer in model.layers
+    )
     tokenizer = smollm_fp32.tokenizer
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "What is 12 times 7?")]
+    prompts = [
+        tokenizer.encode_chat([{"role": "user", "content": t}])
+        for t in ("Name three rivers.", "What is 12 times 7?")
+    ]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     engine = LLMEngine(EngineConfig(kv_cache_bytes=64 * 2**20), loaded=smollm_fp32)
     with_kernel = [r.token_ids for r in engine.generate(prompts, params)]
@@ -156,8 +197,10 @@ def test_engine_uses_the_kernel_and_greedy_output_equals_the_torch_path(kernel, 
     assert with_kernel == without
 
 
-@pytest.mark.parametrize("num_tokens,num_cached", [(1, 0), (127, 0), (128, 0), (300, 0), (1, 16), (300, 16),
-                                                   (128, 128), (77, 200)])
+@pytest.mark.parametrize(
+    "num_tokens,num_cached",
+    [(1, 0), (127, 0), (128, 0), (300, 0), (1, 16), (300, 16), (128, 128), (77, 200)],
+)
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "h{}kv{}d{}".format(*s[:3]))
 def test_blocked_prefill_attention_matches_causal_sdpa(num_tokens, num_cached, shape):
     """New tokens after `num_cached` context tokens (a cached prefix, an earlier chunk) see all of the context
@@ -168,10 +211,21 @@ def test_blocked_prefill_attention_matches_causal_sdpa(num_tokens, num_cached, s
     k = torch.randn(num_cached + num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
     v = torch.randn(num_cached + num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
     got = _attention(num_heads, num_kv_heads, head_dim)._blocked_causal_attention(q, k, v)
-    visible = torch.arange(num_cached + num_tokens).unsqueeze(0) <= torch.arange(num_cached, num_cached + num_tokens).unsqueeze(1)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
-        attn_mask=visible, enable_gqa=True, scale=head_dim**-0.5).transpose(0, 1).reshape(num_tokens, -1)
+    visible = torch.arange(num_cached + num_tokens).unsqueeze(0) <= torch.arange(
+        num_cached, num_cached + num_tokens
+    ).unsqueeze(1)
+    expected = (
+        torch.nn.functional.scaled_dot_product_attention(
+            q.double().transpose(0, 1),
+            k.double().transpose(0, 1),
+            v.double().transpose(0, 1),
+            attn_mask=visible,
+            enable_gqa=True,
+            scale=head_dim**-0.5,
+        )
+        .transpose(0, 1)
+        .reshape(num_tokens, -1)
+    )
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), expected, atol=3e-2, rtol=0)
 

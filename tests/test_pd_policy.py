@@ -22,7 +22,8 @@ def test_the_policy_goes_local_for_short_prompts_and_long_prefill_queues():
     assert decide(auto, 512, 0, 0) == Decision("remote", "default")
     assert decide(auto, 512, 512 + 256 - 1, 0) == Decision("remote", "default")
     assert decide(auto, 512, 512 + 256, 0) == Decision("local", "prefill_queue")
-    assert decide(auto, 512, 2000, 1500) == Decision("remote", "default")  # the decode worker is as busy
+    # the decode worker is as busy
+    assert decide(auto, 512, 2000, 1500) == Decision("remote", "default")
     assert decide(auto, 512, None, 0) == Decision("local", "no_prefill_worker")
     assert decide(PDPolicyConfig("remote"), 8, 10**6, 0) == Decision("remote", "policy")
     assert decide(PDPolicyConfig("local"), 8000, 0, 10**6) == Decision("local", "policy")
@@ -36,11 +37,14 @@ def _seq(request_id: str, prompt_tokens: int) -> Sequence:
 
 def test_the_scheduler_interleaves_prefill_chunks_with_decode_steps():
     allocator = BlockAllocator(64, 16, enable_prefix_caching=False)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, decode_interleave_tokens=100), allocator)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=2048, decode_interleave_tokens=100), allocator
+    )
     decoding = _seq("decoding", 10)
     scheduler.add(decoding)
     first = scheduler.schedule()
-    assert first.is_prefill and first.num_new_tokens == [10]  # nothing decodes yet: the whole budget
+    # nothing decodes yet: the whole budget
+    assert first.is_prefill and first.num_new_tokens == [10]
     scheduler.after_prefill(first)
     decoding.output_token_ids.append(5)
     scheduler.add_running(decoding)
@@ -48,7 +52,11 @@ def test_the_scheduler_interleaves_prefill_chunks_with_decode_steps():
     kinds = []
     for _ in range(7):
         batch = scheduler.schedule()
-        kinds.append(("prefill", batch.num_new_tokens[0]) if batch.is_prefill else ("decode", len(batch.seqs)))
+        kinds.append(
+            ("prefill", batch.num_new_tokens[0])
+            if batch.is_prefill
+            else ("decode", len(batch.seqs))
+        )
         if batch.is_prefill:
             for seq in scheduler.after_prefill(batch):
                 seq.output_token_ids.append(5)
@@ -57,48 +65,81 @@ def test_the_scheduler_interleaves_prefill_chunks_with_decode_steps():
             scheduler.after_decode(batch)
             for seq in batch.seqs:
                 seq.output_token_ids.append(5)
-    assert kinds == [("decode", 1), ("prefill", 100), ("decode", 1), ("prefill", 100), ("decode", 1), ("prefill", 50),
-                     ("decode", 2)]  # after a prefill step a decode step, always
+    assert kinds == [
+        ("decode", 1),
+        ("prefill", 100),
+        ("decode", 1),
+        ("prefill", 100),
+        ("decode", 1),
+        ("prefill", 50),
+        ("decode", 2),
+    ]  # after a prefill step a decode step, always
 
 
 @pytest.fixture(scope="module")
 def system(harness):
-    running = harness.start(num_prefill=1, num_decode=1, pd_policy="auto", local_prefill_max_tokens=16,
-                            pd_queue_margin_tokens=64, kv_cache_bytes=128 << 20, http_port=0)
+    running = harness.start(
+        num_prefill=1,
+        num_decode=1,
+        pd_policy="auto",
+        local_prefill_max_tokens=16,
+        pd_queue_margin_tokens=64,
+        kv_cache_bytes=128 << 20,
+        http_port=0,
+    )
     yield running
     running.stop()
 
 
 def _decisions(system) -> dict[tuple[str, str], float]:
     counter = system.system.router.metrics.pd_decisions
-    return {tuple(sample.labels[k] for k in ("path", "reason")): sample.value
-            for metric in counter.collect() for sample in metric.samples if sample.name.endswith("_total")}
+    return {
+        tuple(sample.labels[k] for k in ("path", "reason")): sample.value
+        for metric in counter.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
 
 
-def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker_with_identical_output(system, smollm_fp32):
+def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker_with_identical_output(
+    system, smollm_fp32
+):
     from engine.llm_engine import EngineConfig, LLMEngine
 
-    prompts = [f"Request {i}. " + "Rivers shaped where people settled, traded and fought. " * 25 for i in range(4)]
+    prompts = [
+        f"Request {i}. " + "Rivers shaped where people settled, traded and fought. " * 25
+        for i in range(4)
+    ]
     engine = LLMEngine(EngineConfig(dtype="float32", num_threads=1), loaded=smollm_fp32)
-    expected = [list(r.token_ids) for r in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
-                                                                                    ignore_eos=True))]
+    expected = [
+        list(r.token_ids)
+        for r in engine.generate(
+            prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        )
+    ]
     before = _decisions(system)
     with ThreadPoolExecutor(len(prompts)) as pool:
+
         def one(prompt):
             with system.client() as client:
-                return client.generate(client.request(prompt, max_tokens=12, temperature=0, ignore_eos=True))
+                return client.generate(
+                    client.request(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+                )
 
         done = list(pool.map(one, prompts))
     after = _decisions(system)
     local = after.get(("local", "prefill_queue"), 0) - before.get(("local", "prefill_queue"), 0)
     remote = after.get(("remote", "default"), 0) - before.get(("remote", "default"), 0)
-    assert local >= 1 and remote >= 1, after  # the first goes remote, later ones find its queue long
+    # the first goes remote, later ones find its queue long
+    assert local >= 1 and remote >= 1, after
     assert [list(d.token_ids) for d in done] == expected
     local_done = [d for d in done if not d.prefill_worker]
     assert local_done and all(d.timings.kv_bytes == 0 for d in local_done)
     # A short prompt prefills where it decodes; the metric names the reason.
     with system.client() as client:
-        short = client.generate(client.request("Hi there", max_tokens=4, temperature=0, ignore_eos=True))
+        short = client.generate(
+            client.request("Hi there", max_tokens=4, temperature=0, ignore_eos=True)
+        )
     assert not short.prefill_worker and _decisions(system)[("local", "short_prompt")] >= 1
     assert system.wait_idle().requests_in_flight == 0
 
@@ -106,13 +147,21 @@ def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker_with_identical_
 def _borrowed_core_steps(system) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{system.system.http_port}/metrics", timeout=30) as reply:
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{system.system.http_port}/metrics", timeout=30
+    ) as reply:
         families = text_string_to_metric_families(reply.read().decode())
-        return {sample.labels["worker"]: sample.value for family in families
-                if family.name == "pdserve_worker_borrowed_core_steps" for sample in family.samples}
+        return {
+            sample.labels["worker"]: sample.value
+            for family in families
+            if family.name == "pdserve_worker_borrowed_core_steps"
+            for sample in family.samples
+        }
 
 
-def test_a_worker_prefilling_while_the_other_idles_borrows_its_core_with_identical_output(system, smollm_fp32):
+def test_a_worker_prefilling_while_the_other_idles_borrows_its_core_with_identical_output(
+    system, smollm_fp32
+):
     from engine.llm_engine import EngineConfig, LLMEngine
 
     # One core each (0.5 CPU granted), on a node of two cores: each worker's prefill steps may run on both.
@@ -123,9 +172,15 @@ def test_a_worker_prefilling_while_the_other_idles_borrows_its_core_with_identic
     assert system.wait_idle().requests_in_flight == 0
     before = _borrowed_core_steps(system)
     with system.client() as client:
-        short = client.generate(client.request("Hi there", max_tokens=6, temperature=0, ignore_eos=True))
-        remote = client.generate(client.request(long_prompt, max_tokens=6, temperature=0, ignore_eos=True))
+        short = client.generate(
+            client.request("Hi there", max_tokens=6, temperature=0, ignore_eos=True)
+        )
+        remote = client.generate(
+            client.request(long_prompt, max_tokens=6, temperature=0, ignore_eos=True)
+        )
     after = _borrowed_core_steps(system)
     assert not short.prefill_worker and remote.prefill_worker == "prefill-0"
     assert [list(short.token_ids), list(remote.token_ids)] == expected
-    assert after["decode-0"] > before.get("decode-0", 0) and after["prefill-0"] > before.get("prefill-0", 0), after
+    assert after["decode-0"] > before.get("decode-0", 0) and after["prefill-0"] > before.get(
+        "prefill-0", 0
+    ), after

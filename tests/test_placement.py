@@ -17,12 +17,27 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     ray.shutdown()  # the session's shared single-node cluster (tests/conftest.py), if it is up
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
-                                                            "include_dashboard": False, "object_store_memory": 256 << 20})
-    prefill_node = cluster.add_node(num_cpus=2, resources={"pdserve_prefill": 1}, node_ip_address="127.0.0.1",
-                                    object_store_memory=256 << 20)
-    decode_node = cluster.add_node(num_cpus=2, resources={"pdserve_decode": 1}, node_ip_address="127.0.0.1",
-                                   object_store_memory=256 << 20)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+            "object_store_memory": 256 << 20,
+        },
+    )
+    prefill_node = cluster.add_node(
+        num_cpus=2,
+        resources={"pdserve_prefill": 1},
+        node_ip_address="127.0.0.1",
+        object_store_memory=256 << 20,
+    )
+    decode_node = cluster.add_node(
+        num_cpus=2,
+        resources={"pdserve_decode": 1},
+        node_ip_address="127.0.0.1",
+        object_store_memory=256 << 20,
+    )
     cluster.wait_for_nodes()
     yield cluster, prefill_node.node_id, decode_node.node_id
     ray.shutdown()
@@ -34,8 +49,15 @@ def test_pools_are_placed_on_their_node_types_and_serve(cluster):
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     # fp32: the answer's text is checked, and in bf16 this model answers otherwise (docs/reliability.md)
-    config = ServeConfig(address=ray_cluster.address, port=0, num_prefill=2, num_decode=1, kv_cache_bytes=32 << 20,
-                         transport="grpc", dtype="float32")
+    config = ServeConfig(
+        address=ray_cluster.address,
+        port=0,
+        num_prefill=2,
+        num_decode=1,
+        kv_cache_bytes=32 << 20,
+        transport="grpc",
+        dtype="float32",
+    )
     system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(300)
     try:
         with PdserveClient(port=system.port, timeout_s=120) as client:

@@ -18,16 +18,29 @@ from router.slo import SLO
 SLO_FAST = SLO.parse("ttft:1000,tpot:50")
 
 
-def synthetic_profile(prefill_s_per_token: float = 0.001, decode_base_s: float = 0.01, decode_per_seq_s: float = 0.001,
-                      threads: tuple[int, ...] = (1, 2)) -> Profile:
+def synthetic_profile(
+    prefill_s_per_token: float = 0.001,
+    decode_base_s: float = 0.01,
+    decode_per_seq_s: float = 0.001,
+    threads: tuple[int, ...] = (1, 2),
+) -> Profile:
     """Linear costs: prefill `prefill_s_per_token` per token, decode `base + per_seq x batch`, both divided by
     the threads; a 1 ms handoff of any size over "ray"."""
     return Profile(
-        machine={"cores": 2, "dtype": "bfloat16"}, kv_bytes_per_token=1000, router_cpu_s_per_token=0.0,
-        prefill=tuple(PrefillPoint(n, t, prefill_s_per_token * n / t) for t in threads for n in (128, 2048)),
-        decode=tuple(DecodePoint(b, c, t, (decode_base_s + decode_per_seq_s * b) / t)
-                     for t in threads for b in (1, 32) for c in (256, 2048)),
-        handoff=(HandoffPoint("ray", 1, 0.001), HandoffPoint("ray", 10**9, 0.001)))
+        machine={"cores": 2, "dtype": "bfloat16"},
+        kv_bytes_per_token=1000,
+        router_cpu_s_per_token=0.0,
+        prefill=tuple(
+            PrefillPoint(n, t, prefill_s_per_token * n / t) for t in threads for n in (128, 2048)
+        ),
+        decode=tuple(
+            DecodePoint(b, c, t, (decode_base_s + decode_per_seq_s * b) / t)
+            for t in threads
+            for b in (1, 32)
+            for c in (256, 2048)
+        ),
+        handoff=(HandoffPoint("ray", 1, 0.001), HandoffPoint("ray", 10**9, 0.001)),
+    )
 
 
 @pytest.mark.parametrize("utilisation", [0.3, 0.6])
@@ -40,7 +53,9 @@ def test_prefill_queue_matches_md1(utilisation):
     shape = SystemShape.parse("1p1d@1/remote", lend_cores=False, max_num_batched_tokens=512)
     waits_ms = []
     for seed in range(3):
-        workload = Workload(input_tokens=(512, 512), output_tokens=(1, 1), num_requests=15000, seed=seed)
+        workload = Workload(
+            input_tokens=(512, 512), output_tokens=(1, 1), num_requests=15000, seed=seed
+        )
         report = simulate(profile, shape, SLO_FAST, workload.requests(rate))
         waits_ms.append(report.mean_queue_ms)
         assert report.ttft_ms["mean"] == pytest.approx(report.mean_queue_ms + 1e3 * service_s)
@@ -55,9 +70,16 @@ def test_placement_is_the_routers_policy():
     profile = synthetic_profile()
     short = Workload(input_tokens=(200, 256), output_tokens=(4, 4), num_requests=50).requests(1.0)
     long = Workload(input_tokens=(300, 400), output_tokens=(4, 4), num_requests=50).requests(1.0)
-    assert simulate(profile, SystemShape.parse("1p1d"), SLO_FAST, short).utilisation["prefill"] == 0.0
-    assert simulate(profile, SystemShape.parse("1p1d"), SLO_FAST, long).utilisation["prefill"] > 0.05
-    assert simulate(profile, SystemShape.parse("1p1d/remote"), SLO_FAST, short).utilisation["prefill"] > 0.05
+    assert (
+        simulate(profile, SystemShape.parse("1p1d"), SLO_FAST, short).utilisation["prefill"] == 0.0
+    )
+    assert (
+        simulate(profile, SystemShape.parse("1p1d"), SLO_FAST, long).utilisation["prefill"] > 0.05
+    )
+    assert (
+        simulate(profile, SystemShape.parse("1p1d/remote"), SLO_FAST, short).utilisation["prefill"]
+        > 0.05
+    )
 
 
 def test_core_lending_shortens_prefill_when_decode_is_idle():
@@ -65,22 +87,31 @@ def test_core_lending_shortens_prefill_when_decode_is_idle():
     one = Workload(input_tokens=(1024, 1024), output_tokens=(2, 2), num_requests=1).requests(1.0)
     lent = simulate(profile, SystemShape.parse("1p1d/remote"), SLO_FAST, one)
     alone = simulate(profile, SystemShape.parse("1p1d/remote", lend_cores=False), SLO_FAST, one)
-    assert lent.ttft_ms["p50"] == pytest.approx(alone.ttft_ms["p50"] / 2, rel=0.01)  # two threads, twice as fast
+    # two threads, twice as fast
+    assert lent.ttft_ms["p50"] == pytest.approx(alone.ttft_ms["p50"] / 2, rel=0.01)
 
 
 def test_plan_finds_the_known_cheapest_shape():
     """Prefill 0.25 s per 512-token prompt and cheap decode steps, 6 req/s, TTFT <= 2 s: one prefill worker
     cannot keep up (rho 1.5), two can (rho 0.75), and one decode worker suffices: 2 prefill + 1 decode,
     3 CPUs, after every 2-CPU shape failed."""
-    profile = synthetic_profile(prefill_s_per_token=0.25 / 512, decode_base_s=0.005, decode_per_seq_s=0.0001,
-                                threads=(1,))
-    space = SearchSpace(max_workers=4, cpus_per_worker=(1.0,), pd_policies=("remote",), colocated=False)
+    profile = synthetic_profile(
+        prefill_s_per_token=0.25 / 512, decode_base_s=0.005, decode_per_seq_s=0.0001, threads=(1,)
+    )
+    space = SearchSpace(
+        max_workers=4, cpus_per_worker=(1.0,), pd_policies=("remote",), colocated=False
+    )
     plan = cheapest(profile, Workload(num_requests=300), SLO.parse("ttft:2000,tpot:20"), 6.0, space)
     assert (plan.shape.num_prefill, plan.shape.num_decode, plan.shape.total_cpus) == (2, 1, 3.0)
     assert plan.report.slo_attainment >= 0.9
     cheaper = [t for t in plan.tried if t["cpus"] < 3]
     assert cheaper and all(t["slo_attainment"] < 0.9 for t in cheaper)
-    assert cheapest(profile, Workload(num_requests=300), SLO.parse("ttft:2000,tpot:20"), 20.0, space).shape is None
+    assert (
+        cheapest(
+            profile, Workload(num_requests=300), SLO.parse("ttft:2000,tpot:20"), 20.0, space
+        ).shape
+        is None
+    )
 
 
 def test_profile_interpolates_and_round_trips(tmp_path):
@@ -96,8 +127,14 @@ def test_profile_interpolates_and_round_trips(tmp_path):
         profile.handoff_s(100, "grpc")
 
 
-@pytest.mark.parametrize("text, message", [("in=0", "1 <= A <= B"), ("foo=1", "workload part 'foo=1'"),
-                                           ("multi=1.5", "multi must be in")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("in=0", "1 <= A <= B"),
+        ("foo=1", "workload part 'foo=1'"),
+        ("multi=1.5", "multi must be in"),
+    ],
+)
 def test_workload_refuses_bad_parts(text, message):
     with pytest.raises(ValueError, match=message):
         Workload.parse(text)
@@ -121,13 +158,41 @@ def test_cli_profile_simulate_plan_round_trip(tmp_path, capsys):
     assert profile.machine["cpu_capability"] and profile.transports == ("inproc",)
     assert all(p.seconds > 0 for p in profile.prefill + profile.decode + profile.handoff)
     capsys.readouterr()
-    common = ["--profile", profile_path, "--workload", "in=128,out=16,n=20", "--transport", "inproc", "--json"]
+    common = [
+        "--profile",
+        profile_path,
+        "--workload",
+        "in=128,out=16,n=20",
+        "--transport",
+        "inproc",
+        "--json",
+    ]
     assert main(["simulate", *common, "--rate", "1", "--shape", "1p1d@1"]) == 0
     simulated = json.loads(capsys.readouterr().out)
-    assert simulated["requests"] == 20 and simulated["ttft_ms"]["p50"] > 0 and simulated["tpot_ms"]["p50"] > 0
-    assert main(["plan", *common, "--slo", "ttft:5000,tpot:500", "--rate", "0.5", "--max-workers", "2",
-                 "--cpus-per-worker", "1"]) == 0
+    assert (
+        simulated["requests"] == 20
+        and simulated["ttft_ms"]["p50"] > 0
+        and simulated["tpot_ms"]["p50"] > 0
+    )
+    assert (
+        main(
+            [
+                "plan",
+                *common,
+                "--slo",
+                "ttft:5000,tpot:500",
+                "--rate",
+                "0.5",
+                "--max-workers",
+                "2",
+                "--cpus-per-worker",
+                "1",
+            ]
+        )
+        == 0
+    )
     planned = json.loads(capsys.readouterr().out)
     assert planned["shape"] == "colo1@1" and planned["predicted"]["slo_attainment"] >= 0.9
-    assert main(["simulate", "--profile", profile_path, "--rate", "1"]) == 2  # the quick profile has no ray handoff
+    # the quick profile has no ray handoff
+    assert main(["simulate", "--profile", profile_path, "--rate", "1"]) == 2
     assert "no KV handoff for transport 'ray'" in capsys.readouterr().err

@@ -19,13 +19,20 @@ from pdserve.client import PdserveClient
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
 KV_TIMEOUT_S = 2.0  # short, so a prefill queue outlasts it
-LONG_PROMPT = "Rivers shaped where people settled, traded and fought. " * 170  # ~1,700 tokens: seconds of prefill
+# ~1,700 tokens: seconds of prefill
+LONG_PROMPT = "Rivers shaped where people settled, traded and fought. " * 170
 
 
 @pytest.fixture(scope="module")
 def system(harness):
-    running = harness.start(num_prefill=2, num_decode=1, transport="grpc", kv_timeout_s=KV_TIMEOUT_S,
-                            kv_cache_bytes=256 << 20, http_port=0)
+    running = harness.start(
+        num_prefill=2,
+        num_decode=1,
+        transport="grpc",
+        kv_timeout_s=KV_TIMEOUT_S,
+        kv_cache_bytes=256 << 20,
+        http_port=0,
+    )
     yield running
     running.stop()
 
@@ -39,15 +46,20 @@ def _all_free(system, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stats = system.stats()
-        if stats.requests_in_flight == 0 and all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers):
+        if stats.requests_in_flight == 0 and all(
+            w.kv_blocks_free == w.kv_blocks_total for w in stats.workers
+        ):
             return True
         time.sleep(0.05)
     return False
 
 
 def _post(system, path: str, body: dict, headers: dict = None):
-    request = urllib.request.Request(f"http://127.0.0.1:{system.system.http_port}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{system.system.http_port}{path}",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, response.read().decode()
@@ -61,7 +73,9 @@ def test_abort_mid_prefill_ends_the_stream_at_once_and_frees_everything(system):
 
     def run():
         with system.client(timeout_s=120) as client:
-            for response in client.stream(client.request(LONG_PROMPT, request_id="abort-me", max_tokens=8)):
+            for response in client.stream(
+                client.request(LONG_PROMPT, request_id="abort-me", max_tokens=8)
+            ):
                 responses.append(response)
         ended.set()
 
@@ -92,7 +106,9 @@ def test_abort_mid_prefill_ends_the_stream_at_once_and_frees_everything(system):
             assert client.scale(prefill=1).prefill == 1
         deadline = time.monotonic() + 20
         while len(pools.stopped) == stopped_before:
-            assert time.monotonic() < deadline, "the prefill worker that held the aborted request never drained"
+            assert time.monotonic() < deadline, (
+                "the prefill worker that held the aborted request never drained"
+            )
             time.sleep(0.1)
         assert pools.stopped[-1].worker_id == route.prefill.worker_id
     finally:
@@ -103,16 +119,24 @@ def test_abort_mid_prefill_ends_the_stream_at_once_and_frees_everything(system):
 
 def test_the_same_request_id_twice_at_once_is_refused_and_the_first_is_untouched(system):
     with system.client() as client:
-        reference = list(client.generate(client.request("Count to twenty:", max_tokens=24, temperature=0,
-                                                        ignore_eos=True)).token_ids)
+        reference = list(
+            client.generate(
+                client.request("Count to twenty:", max_tokens=24, temperature=0, ignore_eos=True)
+            ).token_ids
+        )
 
     async def both_at_once(request_id: str):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{system.port}") as channel:
             stub = pb_grpc.GenerationStub(channel)
 
             async def one():
-                request = PdserveClient.request("Count to twenty:", request_id=request_id, max_tokens=24,
-                                                temperature=0, ignore_eos=True)
+                request = PdserveClient.request(
+                    "Count to twenty:",
+                    request_id=request_id,
+                    max_tokens=24,
+                    temperature=0,
+                    ignore_eos=True,
+                )
                 started, tokens = time.monotonic(), []
                 try:
                     async for response in stub.Generate(request, timeout=60):
@@ -128,10 +152,19 @@ def test_the_same_request_id_twice_at_once_is_refused_and_the_first_is_untouched
     refused, served = outcomes
     assert "same-id-1" in refused[1] and refused[2] < 2.0
     assert served[1] == reference
-    body = {"model": system.system.config.model_name, "prompt": "Count to twenty:", "max_tokens": 8, "stream": True}
+    body = {
+        "model": system.system.config.model_name,
+        "prompt": "Count to twenty:",
+        "max_tokens": 8,
+        "stream": True,
+    }
     with ThreadPoolExecutor(2) as pool:
-        statuses = sorted(pool.map(lambda _: _post(system, "/v1/completions", body, {"X-Request-Id": "same-id-2"}),
-                                   range(2)))
+        statuses = sorted(
+            pool.map(
+                lambda _: _post(system, "/v1/completions", body, {"X-Request-Id": "same-id-2"}),
+                range(2),
+            )
+        )
     assert [status for status, _ in statuses] == [200, 409], statuses
     assert json.loads(statuses[1][1])["error"]["param"] == "X-Request-Id"
     assert _all_free(system, 10)
@@ -139,8 +172,11 @@ def test_the_same_request_id_twice_at_once_is_refused_and_the_first_is_untouched
 
 def test_a_client_leaving_at_any_moment_frees_everything_within_a_second(system):
     async def leave_after(stub, delay_s: float, index: int) -> None:
-        call = stub.Generate(PdserveClient.request(f"Story number {index}: once upon a time", max_tokens=32,
-                                                   ignore_eos=True))
+        call = stub.Generate(
+            PdserveClient.request(
+                f"Story number {index}: once upon a time", max_tokens=32, ignore_eos=True
+            )
+        )
 
         async def read():
             async for _ in call:
@@ -165,23 +201,32 @@ def test_a_client_leaving_at_any_moment_frees_everything_within_a_second(system)
 
 
 def test_a_prefill_queue_longer_than_the_kv_timeout_serves_every_request(system):
-    prompts = [f"Request {i}. " + "Rivers shaped where people settled, traded and fought. " * 60 for i in range(5)]
+    prompts = [
+        f"Request {i}. " + "Rivers shaped where people settled, traded and fought. " * 60
+        for i in range(5)
+    ]
     with ThreadPoolExecutor(len(prompts)) as pool:
+
         def one(prompt):
             with system.client() as client:
-                return client.generate(client.request(prompt, max_tokens=6, temperature=0, ignore_eos=True))
+                return client.generate(
+                    client.request(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+                )
 
         started = time.monotonic()
         done = list(pool.map(one, prompts))
     waited_s = time.monotonic() - started
-    assert waited_s > KV_TIMEOUT_S * 1.5, f"the queue ({waited_s:.1f} s) did not outlast the KV timeout"
+    assert waited_s > KV_TIMEOUT_S * 1.5, (
+        f"the queue ({waited_s:.1f} s) did not outlast the KV timeout"
+    )
     assert all(len(d.token_ids) == 6 and d.finish_reason == "length" for d in done), done
     assert _all_free(system, 10)
 
 
 @pytest.fixture(scope="module")
 def small_cache_system(harness):
-    running = harness.start(num_prefill=1, num_decode=1, kv_cache_bytes=16 << 20, http_port=0)  # fp32: 364 tokens
+    # fp32: 364 tokens
+    running = harness.start(num_prefill=1, num_decode=1, kv_cache_bytes=16 << 20, http_port=0)
     yield running
     running.stop()
 
@@ -192,22 +237,40 @@ def test_the_served_context_is_what_the_kv_cache_holds(small_cache_system):
     capacity = decode.kv_blocks_total * system.system.config.block_size_tokens
     assert capacity < decode.model_context_tokens
     stats = system.stats()
-    assert stats.max_context_tokens == capacity and stats.model_context_tokens == decode.model_context_tokens
-    with urllib.request.urlopen(f"http://127.0.0.1:{system.system.http_port}/v1/models", timeout=10) as response:
+    assert (
+        stats.max_context_tokens == capacity
+        and stats.model_context_tokens == decode.model_context_tokens
+    )
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{system.system.http_port}/v1/models", timeout=10
+    ) as response:
         assert json.loads(response.read())["data"][0]["max_model_len"] == capacity
     started = time.monotonic()
     with system.client() as client:
         with pytest.raises(grpc.RpcError) as refused:
             client.generate(client.request(token_ids=[100] * capacity, max_tokens=4))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert str(capacity) in refused.value.details() and str(decode.model_context_tokens) in refused.value.details()
-    status, body = _post(system, "/v1/completions", {"model": system.system.config.model_name,
-                                                     "prompt": [100] * (capacity + 10), "max_tokens": 4})
+    assert (
+        str(capacity) in refused.value.details()
+        and str(decode.model_context_tokens) in refused.value.details()
+    )
+    status, body = _post(
+        system,
+        "/v1/completions",
+        {
+            "model": system.system.config.model_name,
+            "prompt": [100] * (capacity + 10),
+            "max_tokens": 4,
+        },
+    )
     assert status == 400 and str(capacity) in body, (status, body)
     assert time.monotonic() - started < 5
     # A prompt that fits with max_tokens beyond the cache ends at the served context, never preempting itself.
     with system.client(timeout_s=120) as client:
-        done = client.generate(client.request(token_ids=[100] * (capacity - 40), max_tokens=1000, temperature=0,
-                                              ignore_eos=True))
+        done = client.generate(
+            client.request(
+                token_ids=[100] * (capacity - 40), max_tokens=1000, temperature=0, ignore_eos=True
+            )
+        )
     assert done.finish_reason == "length" and len(done.token_ids) == 40
     assert _all_free(system, 10)

@@ -36,12 +36,17 @@ def _router(stream_interval: int = 1) -> Router:
 
 
 def _worker(worker_id: str) -> WorkerHandle:
-    return WorkerHandle(actor=None, info=WorkerInfo(worker_id, "decode", "node", None, 64, 2048, 100))
+    return WorkerHandle(
+        actor=None, info=WorkerInfo(worker_id, "decode", "node", None, 64, 2048, 100)
+    )
 
 
-def _collect(router: Router, holder: WorkerHandle, deliveries, coalesce: bool = True) -> list[TokenChunk]:
+def _collect(
+    router: Router, holder: WorkerHandle, deliveries, coalesce: bool = True
+) -> list[TokenChunk]:
     """On a loop, as in the router: track a request held by `holder`, deliver (worker, chunks) pairs, and
     collect what its consumer gets."""
+
     async def run():
         route = router._track(_record("req"), "req", None, holder)
         for worker, chunks in deliveries:
@@ -55,8 +60,14 @@ def test_chunks_from_a_worker_that_no_longer_holds_the_request_are_dropped():
     router = _router()
     handed_back, holder = _worker("decode-0"), _worker("decode-1")
     # decode-0 had a reservation under the same id, handed back: its abort notice must not end the request
-    chunks = _collect(router, holder, [(handed_back, [TokenChunk("req", (), finish_reason="abort")]),
-                                       (holder, [TokenChunk("req", (7,)), TokenChunk("req", (8,), finish_reason="length")])])
+    chunks = _collect(
+        router,
+        holder,
+        [
+            (handed_back, [TokenChunk("req", (), finish_reason="abort")]),
+            (holder, [TokenChunk("req", (7,)), TokenChunk("req", (8,), finish_reason="length")]),
+        ],
+    )
     assert [c.token_ids for c in chunks] == [(7, 8)] and chunks[-1].finish_reason == "length"
 
 
@@ -64,8 +75,21 @@ def test_a_backlog_leaves_as_one_chunk_but_not_for_requests_with_stop_strings():
     for coalesce, expected in ((True, [(1, 2, 3)]), (False, [(1,), (2,), (3,)])):
         router = _router()
         worker = _worker("decode-0")
-        chunks = _collect(router, worker, [(worker, [TokenChunk("req", (1,), kv_ready_wall_s=5.0), TokenChunk("req", (2,)),
-                                                     TokenChunk("req", (3,), finish_reason="stop")])], coalesce)
+        chunks = _collect(
+            router,
+            worker,
+            [
+                (
+                    worker,
+                    [
+                        TokenChunk("req", (1,), kv_ready_wall_s=5.0),
+                        TokenChunk("req", (2,)),
+                        TokenChunk("req", (3,), finish_reason="stop"),
+                    ],
+                )
+            ],
+            coalesce,
+        )
         assert [c.token_ids for c in chunks] == expected
         assert chunks[0].kv_ready_wall_s == 5.0 and chunks[-1].finish_reason == "stop"
 
@@ -83,7 +107,10 @@ def test_stream_interval_holds_decode_tokens_but_not_the_first_chunk_nor_the_las
 
         consumer = asyncio.get_running_loop().create_task(consume())
         for token in range(1, 8):  # one step at a time, the consumer keeping up
-            router.streams.deliver(worker, [TokenChunk("req", (token,), finish_reason="length" if token == 7 else None)])
+            router.streams.deliver(
+                worker,
+                [TokenChunk("req", (token,), finish_reason="length" if token == 7 else None)],
+            )
             await asyncio.sleep(0.01)
         await asyncio.wait_for(consumer, 5)
         return received
@@ -102,8 +129,12 @@ def test_a_worker_lost_mid_interval_still_hands_over_the_tokens_held_back_first(
             async for chunk in router._chunks(route):
                 received.append(chunk.token_ids)
                 if len(received) == 1:
-                    router.streams.deliver(worker, [TokenChunk("req", (2,)), TokenChunk("req", (3,))])
-                    router.streams.inbox("req").put_nowait(WorkerLost(worker, "its output stream ended"))
+                    router.streams.deliver(
+                        worker, [TokenChunk("req", (2,)), TokenChunk("req", (3,))]
+                    )
+                    router.streams.inbox("req").put_nowait(
+                        WorkerLost(worker, "its output stream ended")
+                    )
         return received
 
     # the loss is raised only after the two held-back tokens went out: migration re-runs exactly what the
@@ -117,8 +148,11 @@ def test_a_stream_interval_below_one_is_refused():
 
 
 def test_token_chunks_cross_the_wire_with_every_field():
-    chunks = [TokenChunk("a", (1, 2), "stop", None, 1.5, 4), TokenChunk("b", (), None, "KV transfer failed: x"),
-              TokenChunk("c", (3,))]
+    chunks = [
+        TokenChunk("a", (1, 2), "stop", None, 1.5, 4),
+        TokenChunk("b", (), None, "KV transfer failed: x"),
+        TokenChunk("c", (3,)),
+    ]
     assert decode_chunks(encode_chunks(chunks)) == (chunks, [])
     events = [(True, b"\x01" * 16), (False, b"\x02" * 16)]
     assert decode_chunks(encode_chunks(chunks, events)) == (chunks, events)
@@ -140,12 +174,15 @@ class _TokenServer:
 
         self.server = grpc.server(futures.ThreadPoolExecutor(2))
         handler = grpc.unary_stream_rpc_method_handler(subscribe)
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(OUTPUT_STREAM_SERVICE, {"Subscribe": handler}),))
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(OUTPUT_STREAM_SERVICE, {"Subscribe": handler}),)
+        )
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
 
     def stop(self) -> None:
-        self.steps.put(None)  # a handler still waiting returns (its pool thread would block the exit)
+        # a handler still waiting returns (its pool thread would block the exit)
+        self.steps.put(None)
         self.server.stop(None)
 
     def worker(self, worker_id: str) -> WorkerHandle:
@@ -153,7 +190,9 @@ class _TokenServer:
             return self.address, "s3cret"
 
         actor = SimpleNamespace(output_address=SimpleNamespace(remote=output_address))
-        return WorkerHandle(actor=actor, info=WorkerInfo(worker_id, "decode", "node", None, 64, 2048, 100))
+        return WorkerHandle(
+            actor=actor, info=WorkerInfo(worker_id, "decode", "node", None, 64, 2048, 100)
+        )
 
 
 @pytest.fixture
@@ -178,7 +217,9 @@ async def _subscribed(server: _TokenServer) -> tuple[Router, WorkerHandle]:
     return router, worker
 
 
-def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_then_the_end_fails_requests(token_server):
+def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_then_the_end_fails_requests(
+    token_server,
+):
     server = token_server("decode-0")
 
     async def run():
@@ -221,14 +262,18 @@ def test_a_steps_messages_are_all_prepared_before_the_first_is_written(token_ser
         log = []
 
         async def consume(request_id: str):  # what a frontend does per message
-            async for chunk in router._chunks(router._track(_record(request_id), request_id, None, worker)):
+            async for chunk in router._chunks(
+                router._track(_record(request_id), request_id, None, worker)
+            ):
                 log.append(("prepared", request_id))
                 await router.streams.writes_released()
                 log.append(("written", request_id))
 
         consumers = [asyncio.get_running_loop().create_task(consume(r)) for r in "abc"]
         await asyncio.sleep(0.1)
-        server.steps.put(encode_chunks([TokenChunk(r, (1,), finish_reason="length") for r in "abc"]))
+        server.steps.put(
+            encode_chunks([TokenChunk(r, (1,), finish_reason="length") for r in "abc"])
+        )
         await asyncio.wait_for(asyncio.gather(*consumers), 10)
         return log
 

@@ -28,7 +28,11 @@ class SteadyLoad:
         with self.system.client(timeout_s=120) as client:
             while not self._stop.is_set():
                 try:
-                    self.completions.append(client.chat(f"Say one word about the number {index}.", max_tokens=6, temperature=0))
+                    self.completions.append(
+                        client.chat(
+                            f"Say one word about the number {index}.", max_tokens=6, temperature=0
+                        )
+                    )
                 except Exception as error:  # every failure is a test failure: collect, assert later
                     self.errors.append(error)
 
@@ -68,11 +72,17 @@ def test_scale_decode_up_then_down_under_load(system):
     finally:
         load.stop()
     assert not load.errors, load.errors[:3]
-    assert len(load.completions) > 10 and all(c.finish_reason in ("stop", "length") and c.token_ids for c in load.completions)
+    assert len(load.completions) > 10 and all(
+        c.finish_reason in ("stop", "length") and c.token_ids for c in load.completions
+    )
     stats = system.wait_idle()
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
-    [removed] = system.system.pools.stopped  # the drained worker had freed all its KV before it stopped
-    assert removed.worker_id in ("decode-0", "decode-1") and removed.kv_blocks_free == removed.kv_blocks_total
+    # the drained worker had freed all its KV before it stopped
+    [removed] = system.system.pools.stopped
+    assert (
+        removed.worker_id in ("decode-0", "decode-1")
+        and removed.kv_blocks_free == removed.kv_blocks_total
+    )
     print(f"scale-up to a serving worker: {scale_up_s:.1f} s")
 
 
@@ -82,16 +92,28 @@ def test_scale_rejects_impossible_sizes(system):
     with system.client() as client:
         with pytest.raises(grpc.RpcError) as failure:
             client.scale(decode=0)
-        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least 1" in failure.value.details()
+        assert (
+            failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "at least 1" in failure.value.details()
+        )
         # More workers than the local Ray node has CPUs for: refused at once, not left pending forever.
         before = _decode_workers(system)
         with pytest.raises(grpc.RpcError) as failure:
             client.scale(decode=50, timeout_s=60)
         assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failure.value.details()
-        assert f"need {49 * system.system.config.worker_cpus:g} CPU" in failure.value.details(), failure.value.details()
+        assert f"need {49 * system.system.config.worker_cpus:g} CPU" in failure.value.details(), (
+            failure.value.details()
+        )
         assert "free" in failure.value.details()
         assert _decode_workers(system) == before
-        assert len(client.chat("Still serving?", max_tokens=4, temperature=0, ignore_eos=True).token_ids) == 4
+        assert (
+            len(
+                client.chat(
+                    "Still serving?", max_tokens=4, temperature=0, ignore_eos=True
+                ).token_ids
+            )
+            == 4
+        )
 
 
 def test_status_json_lists_every_worker_with_role_node_and_state(system):
@@ -101,16 +123,24 @@ def test_status_json_lists_every_worker_with_role_node_and_state(system):
 
     with system.client() as client:
         client.chat("Hello!", max_tokens=4, temperature=0)
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--port", str(system.port), "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--port", str(system.port), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     workers = status["workers"]
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
     assert all(w["node"] and w["state"] == "ready" for w in workers)
     assert status["recent_ttft_p50_s"] > 0 and status["mode"] == "disaggregated"
-    missing = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--port", "1"], capture_output=True,
-                             text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 1 and "no server ready" in missing.stderr
 
 
@@ -119,14 +149,25 @@ def test_autoscaler_grows_the_bottleneck_pool_under_load_and_shrinks_it_after(sy
 
     system.stop()  # two systems would crowd two cores; this test brings its own
     # Any real prefill misses a 10 ms TTFT target, and KV never counts as full: prefill is the bottleneck.
-    config = AutoscaleConfig(max_prefill=2, max_decode=2, ttft_target_s=0.01, queue_target_s=10.0, kv_use_high=1.01,
-                             cooldown_s=1.0, idle_s=3.0, interval_s=0.5)
+    config = AutoscaleConfig(
+        max_prefill=2,
+        max_decode=2,
+        ttft_target_s=0.01,
+        queue_target_s=10.0,
+        kv_use_high=1.01,
+        cooldown_s=1.0,
+        idle_s=3.0,
+        interval_s=0.5,
+    )
     scaled = harness.start(transport="ray", autoscale=config)
     try:
         load = SteadyLoad(scaled, threads=2)
         try:
             deadline = time.monotonic() + 60
-            while sorted(w.worker_id for w in scaled.stats().workers if w.role == "prefill") != ["prefill-0", "prefill-1"]:
+            while sorted(w.worker_id for w in scaled.stats().workers if w.role == "prefill") != [
+                "prefill-0",
+                "prefill-1",
+            ]:
                 assert time.monotonic() < deadline, "prefill never grew under load"
                 time.sleep(0.5)
         finally:
@@ -136,7 +177,8 @@ def test_autoscaler_grows_the_bottleneck_pool_under_load_and_shrinks_it_after(sy
             assert time.monotonic() < deadline, "prefill never shrank after the load stopped"
             time.sleep(0.5)
         stats = scaled.stats()
-        assert [w.role for w in stats.workers].count("decode") == 1  # decode was never the bottleneck
+        # decode was never the bottleneck
+        assert [w.role for w in stats.workers].count("decode") == 1
         assert any("prefill -> 2: grow" in line for line in stats.autoscaler_decisions)
         assert any("prefill -> 1: shrink" in line for line in stats.autoscaler_decisions)
         assert not load.errors

@@ -10,7 +10,11 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from pdserve.system import ServeConfig
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three rivers in Europe."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three rivers in Europe.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,8 @@ def test_rdt_two_by_two_serves_concurrent_streams_identically(harness, expected)
             assert completion.token_ids == expected[question].token_ids[:12]
         stats = system.wait_idle()
         served = {w.worker_id: w.requests_served for w in stats.workers}
-        assert all(served.values()), served  # both prefill workers shipped KV, both decode workers pulled it
+        # both prefill workers shipped KV, both decode workers pulled it
+        assert all(served.values()), served
         assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
     finally:
         system.stop()
@@ -63,16 +68,21 @@ def test_rdt_greedy_outputs_equal_the_engine(system, expected):
 def test_rdt_a_later_turn_ships_only_the_blocks_after_the_reused_history(system, smollm_fp32):
     tokenizer = smollm_fp32.tokenizer
     block_bytes = system.system.router.decode_pool.workers[0].info.kv_block_bytes
-    prompt = tokenizer.encode("You are a patient tutor of river history. " * 6 + "Why did towns grow at fords?")
+    prompt = tokenizer.encode(
+        "You are a patient tutor of river history. " * 6 + "Why did towns grow at fords?"
+    )
     first = _turn(system, prompt)
     assert first.timings.kv_bytes == -(-len(prompt) // 16) * block_bytes
     new = list(first.token_ids) + tokenizer.encode(" And at river mouths?")
     prompt = prompt + new
     turn = _turn(system, prompt)
     assert turn.prefill_worker and turn.decode_worker == first.decode_worker
-    assert turn.timings.kv_bytes <= (-(-len(new) // 16) + 1) * block_bytes  # the reused blocks stay where they are
+    # the reused blocks stay where they are
+    assert turn.timings.kv_bytes <= (-(-len(new) // 16) + 1) * block_bytes
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=32 << 20), loaded=smollm_fp32)
-    cold = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    cold = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[
+        0
+    ]
     assert list(turn.token_ids) == list(cold.token_ids)
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in system.wait_idle().workers)
 
@@ -80,13 +90,19 @@ def test_rdt_a_later_turn_ships_only_the_blocks_after_the_reused_history(system,
 def test_rdt_refuses_to_add_workers_to_its_group(system):
     with system.client() as client, pytest.raises(grpc.RpcError) as refused:
         client.scale(decode=2)
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "rdt" in refused.value.details()
+    assert (
+        refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "rdt" in refused.value.details()
+    )
 
 
 def _turn(system, prompt_ids, max_tokens: int = 10):
     with system.client() as client:
-        return client.generate(client.request(token_ids=prompt_ids, max_tokens=max_tokens, temperature=0,
-                                              ignore_eos=True))
+        return client.generate(
+            client.request(
+                token_ids=prompt_ids, max_tokens=max_tokens, temperature=0, ignore_eos=True
+            )
+        )
 
 
 def test_rdt_refuses_autoscaling_at_configuration():

@@ -27,14 +27,19 @@ def test_auto_names_the_cpu_and_the_environment_overrides_it(monkeypatch):
     assert dtype_reason("auto", "cuda") == "auto: CUDA"
     for forced, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         monkeypatch.setenv(AUTO_DTYPE_ENV, forced)
-        assert auto_dtype("cpu") == dtype and dtype_reason("auto") == f"auto: ${AUTO_DTYPE_ENV}={forced}"
+        assert (
+            auto_dtype("cpu") == dtype
+            and dtype_reason("auto") == f"auto: ${AUTO_DTYPE_ENV}={forced}"
+        )
         assert auto_dtype("cuda") == torch.bfloat16  # CPUs only
     monkeypatch.setenv(AUTO_DTYPE_ENV, "fp8")
     with pytest.raises(ValueError, match=f"{AUTO_DTYPE_ENV} must be float32 or bfloat16"):
         auto_dtype("cpu")
 
 
-def test_the_ready_line_names_the_dtype_the_workers_resolved_kv_tokens_context_and_threads(harness, monkeypatch):
+def test_the_ready_line_names_the_dtype_the_workers_resolved_kv_tokens_context_and_threads(
+    harness, monkeypatch
+):
     """`auto` with the environment forcing the dtype this CPU would not pick: the workers (Ray actors)
     get the override, and the ready line says what they chose and why."""
     other = "float32" if NATIVE_BF16 else "bfloat16"
@@ -50,7 +55,10 @@ def test_the_ready_line_names_the_dtype_the_workers_resolved_kv_tokens_context_a
     assert context and 0 < int(context[1]) <= int(context[2]), line
     for role in ("prefill", "decode"):
         worker = next(w for w in workers if w.role == role)
-        assert f"1 {role} x {worker.threads} thread(s), {worker.kv_capacity_tokens} KV tokens each" in line, line
+        assert (
+            f"1 {role} x {worker.threads} thread(s), {worker.kv_capacity_tokens} KV tokens each"
+            in line
+        ), line
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])
@@ -61,10 +69,15 @@ def test_a_taken_port_is_one_line_and_a_quick_nonzero_exit_with_nothing_left(fla
         port = taken.getsockname()[1]
         other = ["--http-port", "0"] if flag == "--port" else ["--port", "0"]
         started = time.monotonic()
-        served = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", flag, str(port), *other],
-                                capture_output=True, text=True, timeout=60)
+        served = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "serve", flag, str(port), *other],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert served.returncode == 1, served.stderr
-    assert time.monotonic() - started < 10  # refused before Ray and the workers start (those take 5-20 s)
+    # refused before Ray and the workers start (those take 5-20 s)
+    assert time.monotonic() - started < 10
     lines = served.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in served.stderr, served.stderr
     assert f"127.0.0.1:{port}" in lines[0] and flag in lines[0], lines[0]

@@ -92,7 +92,11 @@ RICH_TEMPLATE = (
 RICH_CONVERSATION = [
     {"role": "user", "content": "Wetter in Zürich?"},
     {"role": "skip", "content": "not rendered"},
-    {"role": "assistant", "content": None, "tool_calls": [{"name": "weather", "arguments": {"city": "Zürich"}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"name": "weather", "arguments": {"city": "Zürich"}}],
+    },
     {"role": "assistant", "content": "Es ist sonnig ☀"},
 ]
 
@@ -125,7 +129,9 @@ def test_vocabulary_matches_hf(tokenizer, hf_tokenizer):
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 @pytest.mark.parametrize("text", TEXTS, ids=TEXT_IDS)
 def test_encode_matches_hf(tokenizer, hf_tokenizer, text, add_special_tokens):
-    assert tokenizer.encode(text, add_special_tokens) == hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    assert tokenizer.encode(text, add_special_tokens) == hf_tokenizer.encode(
+        text, add_special_tokens=add_special_tokens
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS, ids=TEXT_IDS)
@@ -133,7 +139,9 @@ def test_decode_round_trips_and_matches_hf(tokenizer, hf_tokenizer, text):
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
     for skip in (False, True):
-        assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(
+            ids, skip_special_tokens=skip
+        )
 
 
 def test_special_token_strings_are_single_tokens(tokenizer):
@@ -142,18 +150,28 @@ def test_special_token_strings_are_single_tokens(tokenizer):
 
 
 def test_decode_of_every_control_token_matches_hf(tokenizer, hf_tokenizer, gguf_fields):
-    control_ids = [i for i, kind in enumerate(gguf_fields["tokenizer.ggml.token_type"]) if kind == 3]
+    control_ids = [
+        i for i, kind in enumerate(gguf_fields["tokenizer.ggml.token_type"]) if kind == 3
+    ]
     assert len(control_ids) == 17
     ids = [*tokenizer.encode("before "), *control_ids, *tokenizer.encode(" after")]
     for skip in (False, True):
-        assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(
+            ids, skip_special_tokens=skip
+        )
     assert tokenizer.decode(ids, skip_special_tokens=True) == "before  after"
 
 
 def test_special_tokens_match_hf(tokenizer, hf_tokenizer):
     special = tokenizer.special
-    assert (special.bos_token, special.eos_token) == (hf_tokenizer.bos_token, hf_tokenizer.eos_token)
-    assert (special.unk_token, special.pad_token) == (hf_tokenizer.unk_token, hf_tokenizer.pad_token)
+    assert (special.bos_token, special.eos_token) == (
+        hf_tokenizer.bos_token,
+        hf_tokenizer.eos_token,
+    )
+    assert (special.unk_token, special.pad_token) == (
+        hf_tokenizer.unk_token,
+        hf_tokenizer.pad_token,
+    )
     assert special.bos_token_id == hf_tokenizer.bos_token_id
     assert special.eos_token_ids == (hf_tokenizer.eos_token_id,)
     assert special.add_bos_token is False
@@ -163,15 +181,23 @@ def test_special_tokens_match_hf(tokenizer, hf_tokenizer):
 PRE_TOKENIZER_TEXT = "(Hello) WORLDs don'T 12345 x/y\n\n  naïve Ünïcode e\u0301 日本語 a\r\n\tb  "
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "falcon3", "deepseek-r1-qwen", "qwen2", "qwen35", "tekken", "gpt-4o"])
+@pytest.mark.parametrize(
+    "pre", ["llama-bpe", "falcon3", "deepseek-r1-qwen", "qwen2", "qwen35", "tekken", "gpt-4o"]
+)
 def test_pre_tokenizer_split_matches_hf(gguf_fields, hf_tokenizer, pre):
     # An internal of HF's GGUF support (transformers 5), so it may move; the rest of the file does not need it.
     mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
     # HF's own function, applied to a stand-in backend, says which split it would use for this name.
     hf_backend = types.SimpleNamespace(pre_tokenizer=hf_tokenizer.backend_tokenizer.pre_tokenizer)
-    mapping.set_split_regex(types.SimpleNamespace(backend_tokenizer=hf_backend), {"pre_tokenizer_type": pre})
-    assert hf_backend.pre_tokenizer is not hf_tokenizer.backend_tokenizer.pre_tokenizer, f"HF has no split for {pre}"
-    ours = Tokenizer.from_gguf_fields({**gguf_fields, "tokenizer.ggml.pre": pre}).backend.pre_tokenizer
+    mapping.set_split_regex(
+        types.SimpleNamespace(backend_tokenizer=hf_backend), {"pre_tokenizer_type": pre}
+    )
+    assert hf_backend.pre_tokenizer is not hf_tokenizer.backend_tokenizer.pre_tokenizer, (
+        f"HF has no split for {pre}"
+    )
+    ours = Tokenizer.from_gguf_fields(
+        {**gguf_fields, "tokenizer.ggml.pre": pre}
+    ).backend.pre_tokenizer
     expected = hf_backend.pre_tokenizer.pre_tokenize_str(PRE_TOKENIZER_TEXT)
     assert ours.pre_tokenize_str(PRE_TOKENIZER_TEXT) == expected
 
@@ -194,8 +220,13 @@ def test_token_spelled_twice_keeps_its_last_id():
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_chat_template_matches_hf(tokenizer, hf_tokenizer, name, add_generation_prompt):
     messages = CONVERSATIONS[name]
-    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    assert tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert (
+        tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        == expected
+    )
     assert tokenizer.encode_chat(messages, add_generation_prompt) == hf_tokenizer.encode(
         expected, add_special_tokens=False
     )
@@ -203,8 +234,12 @@ def test_chat_template_matches_hf(tokenizer, hf_tokenizer, name, add_generation_
 
 def test_chat_template_shape(tokenizer):
     # The default template adds a system turn when there is none, and the generation prompt only when asked.
-    with_prompt = tokenizer.apply_chat_template(CONVERSATIONS["single-user"], add_generation_prompt=True)
-    without = tokenizer.apply_chat_template(CONVERSATIONS["single-user"], add_generation_prompt=False)
+    with_prompt = tokenizer.apply_chat_template(
+        CONVERSATIONS["single-user"], add_generation_prompt=True
+    )
+    without = tokenizer.apply_chat_template(
+        CONVERSATIONS["single-user"], add_generation_prompt=False
+    )
     assert with_prompt.startswith("<|im_start|>system\n")
     assert with_prompt == without + "<|im_start|>assistant\n"
     assert without.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n")
@@ -213,9 +248,17 @@ def test_chat_template_shape(tokenizer):
 @pytest.mark.parametrize("with_tools", [False, True])
 def test_template_features_render_as_in_hf(tokenizer, hf_tokenizer, with_tools):
     rich = Tokenizer(tokenizer.backend, tokenizer.special, RICH_TEMPLATE)
-    extra = {"tools": [{"name": "weather", "description": "Wetter für eine Stadt"}]} if with_tools else {}
+    extra = (
+        {"tools": [{"name": "weather", "description": "Wetter für eine Stadt"}]}
+        if with_tools
+        else {}
+    )
     expected = hf_tokenizer.apply_chat_template(
-        RICH_CONVERSATION, chat_template=RICH_TEMPLATE, tokenize=False, add_generation_prompt=True, **extra
+        RICH_CONVERSATION,
+        chat_template=RICH_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+        **extra,
     )
     rendered = rich.apply_chat_template(RICH_CONVERSATION, add_generation_prompt=True, **extra)
     assert rendered == expected

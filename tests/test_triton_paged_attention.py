@@ -27,14 +27,18 @@ LENS = [1, 15, 16, 17, 300, 33]  # one token, both sides of a block boundary, a 
 CASES = {
     "smollm2-f32": (9, 3, 64, 16, LENS, torch.float32),
     "smollm2-bf16": (9, 3, 64, 16, LENS, torch.bfloat16),
-    "no-grouping-block4-f32": (4, 4, 32, 4, LENS, torch.float32),  # a tile of 32 tokens spans 8 blocks
+    # a tile of 32 tokens spans 8 blocks
+    "no-grouping-block4-f32": (4, 4, 32, 4, LENS, torch.float32),
     "llama3-8b-grouping-bf16": (8, 2, 128, 16, LENS, torch.bfloat16),
     "llama3-8b-grouping-f32": (8, 2, 128, 16, [64, 1, 129], torch.float32),
-    "head-dim-80-block8-f32": (4, 2, 80, 8, [1, 8, 64, 77], torch.float32),  # head_dim padded to 128
-    "group3-block32-bf16": (6, 2, 64, 32, [32, 1, 95, 64], torch.bfloat16),  # tile == block, group padded
+    # head_dim padded to 128
+    "head-dim-80-block8-f32": (4, 2, 80, 8, [1, 8, 64, 77], torch.float32),
+    # tile == block, group padded
+    "group3-block32-bf16": (6, 2, 64, 32, [32, 1, 95, 64], torch.bfloat16),
     "f16": (4, 2, 64, 16, [5, 48], torch.float16),
 }
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}  # as the CPU kernel's tests
+# as the CPU kernel's tests
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 # Contexts split into partitions (flash decoding): 3 leaves ragged ones, 7 more than a short context's tiles
 # (empty partitions, which must weigh nothing).
 PARTITIONS = (3, 7)
@@ -44,7 +48,9 @@ POISONED = "poisoned"  # rows no sequence owns hold huge K and NaN V: they must 
 def _case(name: str):
     num_heads, num_kv_heads, head_dim, block_size, lens, dtype = CASES[name]
     seed = sorted(CASES).index(name)
-    return _paged_case(num_heads, num_kv_heads, head_dim, block_size, lens, dtype, seed=seed), head_dim**-0.5
+    return _paged_case(
+        num_heads, num_kv_heads, head_dim, block_size, lens, dtype, seed=seed
+    ), head_dim**-0.5
 
 
 def _poisoned_case():
@@ -52,7 +58,9 @@ def _poisoned_case():
     block_size = k_cache.shape[1]
     owned = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
     for b, n in enumerate(lens.tolist()):
-        slots = tables[b].repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(tables.shape[1])
+        slots = tables[b].repeat_interleave(block_size) * block_size + torch.arange(
+            block_size
+        ).repeat(tables.shape[1])
         owned[slots[:n]] = True
     k_cache.view(-1, *k_cache.shape[2:])[~owned] = 1e4
     v_cache.view(-1, *v_cache.shape[2:])[~owned] = float("nan")
@@ -70,8 +78,14 @@ def interpreted(tmp_path_factory) -> dict[str, torch.Tensor]:
     """Every case's output from the kernel under Triton's interpreter, computed in one child process."""
     out = tmp_path_factory.mktemp("triton") / "outputs.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    child = subprocess.run([sys.executable, __file__, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=240)
+    child = subprocess.run(
+        [sys.executable, __file__, str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert child.returncode == 0, f"the interpreted kernel failed:\n{child.stderr[-4000:]}"
     return torch.load(out)
 
@@ -81,18 +95,28 @@ def test_the_kernel_matches_a_float64_reference(interpreted, name):
     (q, k_cache, v_cache, tables, lens), scale = _case(name)
     got = interpreted[name]
     assert got.dtype == q.dtype and got.shape == q.shape
-    torch.testing.assert_close(got.double(), _reference(q, k_cache, v_cache, tables, lens, scale),
-                               atol=TOLERANCE[q.dtype], rtol=0)
+    torch.testing.assert_close(
+        got.double(),
+        _reference(q, k_cache, v_cache, tables, lens, scale),
+        atol=TOLERANCE[q.dtype],
+        rtol=0,
+    )
 
 
 @pytest.mark.parametrize("partitions", PARTITIONS)
-@pytest.mark.parametrize("name", ["smollm2-f32", "llama3-8b-grouping-bf16", "no-grouping-block4-f32", "f16"])
+@pytest.mark.parametrize(
+    "name", ["smollm2-f32", "llama3-8b-grouping-bf16", "no-grouping-block4-f32", "f16"]
+)
 def test_a_context_split_into_partitions_matches_the_reference(interpreted, name, partitions):
     (q, k_cache, v_cache, tables, lens), scale = _case(name)
     got = interpreted[f"{name}/{partitions}"]
     assert got.dtype == q.dtype and got.shape == q.shape
-    torch.testing.assert_close(got.double(), _reference(q, k_cache, v_cache, tables, lens, scale),
-                               atol=TOLERANCE[q.dtype], rtol=0)
+    torch.testing.assert_close(
+        got.double(),
+        _reference(q, k_cache, v_cache, tables, lens, scale),
+        atol=TOLERANCE[q.dtype],
+        rtol=0,
+    )
 
 
 def test_rows_outside_a_sequence_never_leak_into_it(interpreted):
@@ -100,7 +124,9 @@ def test_rows_outside_a_sequence_never_leak_into_it(interpreted):
 
 
 def _run_interpreted(out_path: str) -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (the test fixture does)"
+    assert os.environ.get("TRITON_INTERPRET") == "1", (
+        "run with TRITON_INTERPRET=1 (the test fixture does)"
+    )
     from engine.triton_paged_attention import TritonPagedDecodeAttention
 
     kernel = TritonPagedDecodeAttention()

@@ -10,28 +10,67 @@ DEFAULT_WORKLOAD = "in=512,out=128,n=200"
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="measure this machine's prefill, decode, KV handoff and router costs (JSON)")
+    p = sub.add_parser(
+        "profile", help="measure this machine's prefill, decode, KV handoff and router costs (JSON)"
+    )
     p.add_argument("--out", default="profile.json")
-    p.add_argument("--quick", action="store_true", help="a few points in seconds, no Ray (tests): the handoff's in-process floor")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few points in seconds, no Ray (tests): the handoff's in-process floor",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--transports", default="ray", help="comma-separated KV transports to time (ray, grpc)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per point, after a warm-up (default 3; --quick 1)")
+    p.add_argument(
+        "--transports", default="ray", help="comma-separated KV transports to time (ray, grpc)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs per point, after a warm-up (default 3; --quick 1)",
+    )
     p.set_defaults(handler=_profile)
 
-    p = sub.add_parser("simulate", help="predict TTFT/TPOT/ITL, goodput and utilisation of a system from a profile")
+    p = sub.add_parser(
+        "simulate", help="predict TTFT/TPOT/ITL, goodput and utilisation of a system from a profile"
+    )
     _add_common(p)
     p.add_argument("--rate", type=float, required=True, help="requests per second")
-    p.add_argument("--shape", default="1p1d@1", help="1p1d, 2p2d@0.5 (CPUs per worker), colo2, 2p1d@1/remote")
-    p.add_argument("--no-lend-cores", action="store_true", help="as `pdserve serve --lend-cores off`")
-    p.add_argument("--decode-interleave-tokens", type=int, default=256, help="0: prefill first, as the serve flag")
+    p.add_argument(
+        "--shape", default="1p1d@1", help="1p1d, 2p2d@0.5 (CPUs per worker), colo2, 2p1d@1/remote"
+    )
+    p.add_argument(
+        "--no-lend-cores", action="store_true", help="as `pdserve serve --lend-cores off`"
+    )
+    p.add_argument(
+        "--decode-interleave-tokens",
+        type=int,
+        default=256,
+        help="0: prefill first, as the serve flag",
+    )
     p.set_defaults(handler=_simulate)
 
-    p = sub.add_parser("plan", help="the cheapest system meeting an SLO at a rate, or the highest rate a size holds")
+    p = sub.add_parser(
+        "plan",
+        help="the cheapest system meeting an SLO at a rate, or the highest rate a size holds",
+    )
     _add_common(p)
     p.add_argument("--rate", type=float, default=None, help="requests per second to plan for")
-    p.add_argument("--max-rate", action="store_true", help="instead: the highest rate --cluster-cpus holds")
-    p.add_argument("--cluster-cpus", type=float, default=None, help="with --max-rate: the CPUs the workers may take")
-    p.add_argument("--attainment", type=float, default=0.9, help="share of requests within the SLO to count as meeting it")
+    p.add_argument(
+        "--max-rate", action="store_true", help="instead: the highest rate --cluster-cpus holds"
+    )
+    p.add_argument(
+        "--cluster-cpus",
+        type=float,
+        default=None,
+        help="with --max-rate: the CPUs the workers may take",
+    )
+    p.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="share of requests within the SLO to count as meeting it",
+    )
     p.add_argument("--max-workers", type=int, default=8)
     p.add_argument("--cpus-per-worker", default="0.5,1,2", help="comma-separated choices")
     p.set_defaults(handler=_plan)
@@ -39,13 +78,29 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, help="a JSON file written by `pdserve profile`")
-    p.add_argument("--workload", default=DEFAULT_WORKLOAD,
-                   help="in=N[-M],out=N[-M],n=N,arrival=poisson|fixed,multi=SHARE,turn=N,seed=N "
-                        f"(default {DEFAULT_WORKLOAD})")
-    p.add_argument("--slo", default="auto", metavar="ttft:MS,tpot:MS",
-                   help="as `pdserve serve --slo`; auto: by the profile's dtype (router/slo.py)")
-    p.add_argument("--transport", default="ray", help="the KV transport, as profiled (--quick profiles: inproc)")
-    p.add_argument("--node-cores", type=int, default=None, help="cores per node (default: the profiled machine's)")
+    p.add_argument(
+        "--workload",
+        default=DEFAULT_WORKLOAD,
+        help="in=N[-M],out=N[-M],n=N,arrival=poisson|fixed,multi=SHARE,turn=N,seed=N "
+        f"(default {DEFAULT_WORKLOAD})",
+    )
+    p.add_argument(
+        "--slo",
+        default="auto",
+        metavar="ttft:MS,tpot:MS",
+        help="as `pdserve serve --slo`; auto: by the profile's dtype (router/slo.py)",
+    )
+    p.add_argument(
+        "--transport",
+        default="ray",
+        help="the KV transport, as profiled (--quick profiles: inproc)",
+    )
+    p.add_argument(
+        "--node-cores",
+        type=int,
+        default=None,
+        help="cores per node (default: the profiled machine's)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -54,13 +109,20 @@ def _profile(args: argparse.Namespace) -> int:
 
     from pdserve.planner.profiler import ProfileGrid, measure
 
-    grid = ProfileGrid.quick() if args.quick else ProfileGrid(transports=tuple(args.transports.split(",")))
+    grid = (
+        ProfileGrid.quick()
+        if args.quick
+        else ProfileGrid(transports=tuple(args.transports.split(",")))
+    )
     if args.repeats is not None:
         grid = dataclasses.replace(grid, repeats=args.repeats)
     profile = measure(grid, args.dtype, log=lambda line: print(line, file=sys.stderr, flush=True))
     profile.save(args.out)
-    print(f"wrote {args.out}: {profile.machine['cpu_model']}, {profile.machine['cpu_capability']}, "
-          f"{profile.machine['dtype']}, {profile.cores} cores", file=sys.stderr)
+    print(
+        f"wrote {args.out}: {profile.machine['cpu_model']}, {profile.machine['cpu_capability']}, "
+        f"{profile.machine['dtype']}, {profile.cores} cores",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -80,8 +142,12 @@ def _simulate(args: argparse.Namespace) -> int:
 
     profile, workload, slo = _inputs(args)
     profile.handoff_s(1, args.transport)  # a transport the profile lacks: one clear error
-    shape = SystemShape.parse(args.shape, transport=args.transport, lend_cores=not args.no_lend_cores,
-                              decode_interleave_tokens=args.decode_interleave_tokens or None)
+    shape = SystemShape.parse(
+        args.shape,
+        transport=args.transport,
+        lend_cores=not args.no_lend_cores,
+        decode_interleave_tokens=args.decode_interleave_tokens or None,
+    )
     report = simulate(profile, shape, slo, workload.requests(args.rate), args.node_cores)
     if args.json:
         print(json.dumps({"slo": str(slo), "rate_rps": args.rate, **report.to_json()}))
@@ -95,26 +161,48 @@ def _plan(args: argparse.Namespace) -> int:
     from pdserve.planner.search import SearchSpace, cheapest, highest_rate
 
     profile, workload, slo = _inputs(args)
-    space = SearchSpace(max_workers=args.max_workers,
-                        cpus_per_worker=tuple(float(c) for c in args.cpus_per_worker.split(",")),
-                        transport=args.transport)
-    profile.handoff_s(1, args.transport)  # a transport the profile lacks: one clear error before searching
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)
+    space = SearchSpace(
+        max_workers=args.max_workers,
+        cpus_per_worker=tuple(float(c) for c in args.cpus_per_worker.split(",")),
+        transport=args.transport,
+    )
+    # a transport the profile lacks: one clear error before searching
+    profile.handoff_s(1, args.transport)
+    log = (
+        (lambda line: print(line, file=sys.stderr, flush=True))
+        if not args.json
+        else (lambda line: None)
+    )
     if args.max_rate:
         if args.cluster_cpus is None:
             raise ValueError("--max-rate needs --cluster-cpus")
-        plan = highest_rate(profile, workload, slo, args.cluster_cpus, space, args.attainment, args.node_cores, log=log)
+        plan = highest_rate(
+            profile,
+            workload,
+            slo,
+            args.cluster_cpus,
+            space,
+            args.attainment,
+            args.node_cores,
+            log=log,
+        )
     else:
         if args.rate is None:
             raise ValueError("plan needs --rate (or --max-rate --cluster-cpus N)")
-        plan = cheapest(profile, workload, slo, args.rate, space, args.attainment, args.node_cores, log=log)
+        plan = cheapest(
+            profile, workload, slo, args.rate, space, args.attainment, args.node_cores, log=log
+        )
     if args.json:
         print(json.dumps({"slo": str(slo), "attainment_target": args.attainment, **plan.to_json()}))
     elif plan.shape is None:
-        print(f"nothing within the search space meets {slo} for {args.attainment:.0%} of requests"
-              + (f" at {plan.rate_rps:g} req/s" if not args.max_rate else ""))
+        print(
+            f"nothing within the search space meets {slo} for {args.attainment:.0%} of requests"
+            + (f" at {plan.rate_rps:g} req/s" if not args.max_rate else "")
+        )
     else:
-        print(f"plan: {plan.shape} ({plan.shape.total_cpus:g} CPUs) at {plan.rate_rps:.2f} req/s: "
-              f"pdserve serve {plan.shape.serve_flags()} --slo {slo}")
+        print(
+            f"plan: {plan.shape} ({plan.shape.total_cpus:g} CPUs) at {plan.rate_rps:.2f} req/s: "
+            f"pdserve serve {plan.shape.serve_flags()} --slo {slo}"
+        )
         print(plan.report.table())
     return 0 if plan.shape is not None else 1

@@ -28,9 +28,13 @@ class _End:
 
         torch.set_num_threads(1)
         self.cache = PagedKVCache(layout, num_blocks)
-        self.allocator = BlockAllocator(num_blocks, layout.block_size_tokens, enable_prefix_caching=False)
+        self.allocator = BlockAllocator(
+            num_blocks, layout.block_size_tokens, enable_prefix_caching=False
+        )
         if role == "sender":
-            self.side = create_sender(transport, self.cache, self.allocator, "profile-prefill", 1, **options)
+            self.side = create_sender(
+                transport, self.cache, self.allocator, "profile-prefill", 1, **options
+            )
         else:
             self.side = create_receiver(transport, self.cache, self.allocator, **options)
 
@@ -66,7 +70,8 @@ class _End:
         raise TimeoutError(f"handoff {request_id}: no KV within {timeout_s} s")
 
     def settle(self, request_id: str, timeout_s: float = 60.0) -> None:
-        if type(self.side).__name__ == "RayKVSender":  # routed: the router relays the acknowledgement
+        # routed: the router relays the acknowledgement
+        if type(self.side).__name__ == "RayKVSender":
             self.side.acknowledge(request_id)
             return
         deadline = time.monotonic() + timeout_s
@@ -79,22 +84,33 @@ class _End:
         self.side.close()
 
 
-def measure_handoff(layout, transport: str, prompt_tokens: Sequence[int], repeats: int) -> list[HandoffPoint]:
+def measure_handoff(
+    layout, transport: str, prompt_tokens: Sequence[int], repeats: int
+) -> list[HandoffPoint]:
     """Median handoff time per prompt length (after one warm-up), one pair of actors for all lengths.
     Starts a local Ray node (on 127.0.0.1) unless one is up; shuts it down if it started it."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read at import: keeps Ray on 127.0.0.1
+    # read at import: keeps Ray on 127.0.0.1
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
     import ray
 
     started_ray = not ray.is_initialized()
     max_blocks = -(-max(prompt_tokens) // layout.block_size_tokens)
     if started_ray:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 object_store_memory=max(256 << 20, 4 * max_blocks * layout.bytes_per_block),
-                 log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=max(256 << 20, 4 * max_blocks * layout.bytes_per_block),
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+        )
     actor = ray.remote(num_cpus=1)(_End)
-    options = {"receive_buffer_bytes": max_blocks * layout.bytes_per_block} if transport == "grpc" else {}
+    options = (
+        {"receive_buffer_bytes": max_blocks * layout.bytes_per_block} if transport == "grpc" else {}
+    )
     prefill = actor.remote(layout, max_blocks, transport, "sender")
     decode = actor.remote(layout, max_blocks, transport, "receiver", **options)
     points = []
@@ -115,7 +131,11 @@ def measure_handoff(layout, transport: str, prompt_tokens: Sequence[int], repeat
                 samples.append(time.perf_counter() - began)
                 ray.get(prefill.settle.remote(request_id))
                 ray.get(decode.free.remote(reserved))
-            points.append(HandoffPoint(transport, num_blocks * layout.bytes_per_block, statistics.median(samples[1:])))
+            points.append(
+                HandoffPoint(
+                    transport, num_blocks * layout.bytes_per_block, statistics.median(samples[1:])
+                )
+            )
     finally:
         ray.get([prefill.close.remote(), decode.close.remote()])
         ray.kill(prefill)
@@ -125,7 +145,9 @@ def measure_handoff(layout, transport: str, prompt_tokens: Sequence[int], repeat
     return points
 
 
-def measure_inproc(cache, block_ids_for, prompt_tokens: Sequence[int], repeats: int) -> list[HandoffPoint]:
+def measure_inproc(
+    cache, block_ids_for, prompt_tokens: Sequence[int], repeats: int
+) -> list[HandoffPoint]:
     """The floor without a transport (`--quick`): export the blocks and import them into others of the
     same cache, in this process. `block_ids_for(n)` -> two lists of n free blocks."""
     points = []
@@ -137,5 +159,9 @@ def measure_inproc(cache, block_ids_for, prompt_tokens: Sequence[int], repeats: 
             began = time.perf_counter()
             cache.import_blocks(target, cache.export_blocks(source))
             samples.append(time.perf_counter() - began)
-        points.append(HandoffPoint("inproc", num_blocks * cache.layout.bytes_per_block, statistics.median(samples[1:])))
+        points.append(
+            HandoffPoint(
+                "inproc", num_blocks * cache.layout.bytes_per_block, statistics.median(samples[1:])
+            )
+        )
     return points

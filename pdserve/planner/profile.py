@@ -33,7 +33,8 @@ class DecodePoint:
 
 @dataclass(frozen=True)
 class HandoffPoint:
-    transport: str  # "ray", "grpc", or "inproc" (export + import in one process: the floor, --quick)
+    # "ray", "grpc", or "inproc" (export + import in one process: the floor, --quick)
+    transport: str
     kv_bytes: int
     seconds: float  # asked to ship until the receiver has it installed and verified
 
@@ -42,7 +43,8 @@ class HandoffPoint:
 class Profile:
     machine: dict  # cpu_model, cpu_capability, cores, torch, model, dtype
     kv_bytes_per_token: int
-    router_cpu_s_per_token: float  # the router's own work per streamed token (profiler.measure_router)
+    # the router's own work per streamed token (profiler.measure_router)
+    router_cpu_s_per_token: float
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
     handoff: tuple[HandoffPoint, ...]
@@ -67,7 +69,11 @@ class Profile:
         """One prompt of `prompt_tokens` prefilled alone on `threads` (the nearest measured count)."""
         if prompt_tokens <= 0:
             return 0.0
-        points = [p for p in self.prefill if p.threads == _nearest(threads, {p.threads for p in self.prefill})]
+        points = [
+            p
+            for p in self.prefill
+            if p.threads == _nearest(threads, {p.threads for p in self.prefill})
+        ]
         return max(0.0, _interpolate([(p.prompt_tokens, p.seconds) for p in points], prompt_tokens))
 
     def chunk_s(self, start_tokens: int, end_tokens: int, threads: int = 1) -> float:
@@ -78,8 +84,11 @@ class Profile:
             return 0.0
         if start_tokens <= 0:
             return self.prefill_s(end_tokens, threads)
-        return (self.prefill_s(end_tokens, threads) - self.prefill_s(start_tokens, threads)
-                + self.prefill_fixed_s(threads))
+        return (
+            self.prefill_s(end_tokens, threads)
+            - self.prefill_s(start_tokens, threads)
+            + self.prefill_fixed_s(threads)
+        )
 
     def prefill_fixed_s(self, threads: int = 1) -> float:
         """A prefill step's cost that does not grow with its tokens (0 with one measured length)."""
@@ -107,8 +116,10 @@ class Profile:
         """Shipping `kv_bytes` over `transport`; ValueError when the profile did not measure it."""
         points = [(p.kv_bytes, p.seconds) for p in self.handoff if p.transport == transport]
         if not points:
-            raise ValueError(f"the profile has no KV handoff for transport {transport!r} (it has: "
-                             f"{', '.join(self.transports) or 'none'}); profile it or pass --transport")
+            raise ValueError(
+                f"the profile has no KV handoff for transport {transport!r} (it has: "
+                f"{', '.join(self.transports) or 'none'}); profile it or pass --transport"
+            )
         return max(0.0, _interpolate(points, kv_bytes))
 
     # -- JSON ------------------------------------------------------------------------------------
@@ -119,13 +130,18 @@ class Profile:
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
         if data.get("version") != VERSION:
-            raise ValueError(f"profile version {data.get('version')!r}; this pdserve reads version {VERSION}")
-        return cls(machine=dict(data["machine"]), kv_bytes_per_token=int(data["kv_bytes_per_token"]),
-                   router_cpu_s_per_token=float(data["router_cpu_s_per_token"]),
-                   prefill=tuple(PrefillPoint(**p) for p in data["prefill"]),
-                   decode=tuple(DecodePoint(**p) for p in data["decode"]),
-                   handoff=tuple(HandoffPoint(**p) for p in data["handoff"]),
-                   notes=tuple(data.get("notes", ())))
+            raise ValueError(
+                f"profile version {data.get('version')!r}; this pdserve reads version {VERSION}"
+            )
+        return cls(
+            machine=dict(data["machine"]),
+            kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+            router_cpu_s_per_token=float(data["router_cpu_s_per_token"]),
+            prefill=tuple(PrefillPoint(**p) for p in data["prefill"]),
+            decode=tuple(DecodePoint(**p) for p in data["decode"]),
+            handoff=tuple(HandoffPoint(**p) for p in data["handoff"]),
+            notes=tuple(data.get("notes", ())),
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -146,7 +162,8 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
     """Piecewise-linear through `points` (x, y), extrapolated linearly from the two nearest ends."""
     ordered = sorted(dict(points).items())
     if len(ordered) == 1:
-        return ordered[0][1] * (x / ordered[0][0] if ordered[0][0] else 1.0)  # one point: proportional
+        # one point: proportional
+        return ordered[0][1] * (x / ordered[0][0] if ordered[0][0] else 1.0)
     xs = [p[0] for p in ordered]
     index = min(max(bisect.bisect_left(xs, x), 1), len(ordered) - 1)
     (x0, y0), (x1, y1) = ordered[index - 1], ordered[index]

@@ -34,20 +34,36 @@ class ProfileGrid:
     @classmethod
     def quick(cls) -> "ProfileGrid":
         """A few points in seconds (tests): no Ray, the handoff's in-process floor."""
-        return cls(prompt_tokens=(64, 128, 256), threads=(1,), batch_sizes=(1, 4), context_tokens=(128, 512),
-                   handoff_prompt_tokens=(256, 1024), transports=("inproc",), repeats=1)
+        return cls(
+            prompt_tokens=(64, 128, 256),
+            threads=(1,),
+            batch_sizes=(1, 4),
+            context_tokens=(128, 512),
+            handoff_prompt_tokens=(256, 1024),
+            transports=("inproc",),
+            repeats=1,
+        )
 
 
-def measure(grid: ProfileGrid, dtype: str = "auto", log: Callable[[str], None] = lambda line: None) -> Profile:
+def measure(
+    grid: ProfileGrid, dtype: str = "auto", log: Callable[[str], None] = lambda line: None
+) -> Profile:
     import torch
 
     from engine.llm_engine import EngineConfig, LLMEngine
 
     max_decode_tokens = max(grid.batch_sizes) * (max(grid.context_tokens) + 64)
     max_handoff_tokens = 2 * max(grid.handoff_prompt_tokens)
-    engine = LLMEngine(EngineConfig(model="default", dtype=dtype, num_threads=min(grid.threads),
-                                    detokenize=False, max_num_batched_tokens=max(2048, max(grid.prompt_tokens)),
-                                    kv_cache_bytes=_kv_bytes(max(max_decode_tokens, max_handoff_tokens))))
+    engine = LLMEngine(
+        EngineConfig(
+            model="default",
+            dtype=dtype,
+            num_threads=min(grid.threads),
+            detokenize=False,
+            max_num_batched_tokens=max(2048, max(grid.prompt_tokens)),
+            kv_cache_bytes=_kv_bytes(max(max_decode_tokens, max_handoff_tokens)),
+        )
+    )
     generator = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
 
@@ -65,9 +81,13 @@ def measure(grid: ProfileGrid, dtype: str = "auto", log: Callable[[str], None] =
     for threads in grid.threads:
         torch.set_num_threads(threads)
         for context in grid.context_tokens:
-            for batch, seconds in _decode_steps(engine, context, grid.batch_sizes, grid.repeats, random_prompt):
+            for batch, seconds in _decode_steps(
+                engine, context, grid.batch_sizes, grid.repeats, random_prompt
+            ):
                 decode.append(DecodePoint(batch, context, threads, seconds))
-                log(f"decode batch {batch:3d} x {context:5d} context, {threads} thread(s): {seconds * 1e3:7.1f} ms")
+                log(
+                    f"decode batch {batch:3d} x {context:5d} context, {threads} thread(s): {seconds * 1e3:7.1f} ms"
+                )
     torch.set_num_threads(min(grid.threads))
     handoff = []
     for transport in grid.transports:
@@ -77,23 +97,35 @@ def measure(grid: ProfileGrid, dtype: str = "auto", log: Callable[[str], None] =
             def two_lists(n: int) -> tuple[list[int], list[int]]:
                 return engine.allocator.allocate(n), engine.allocator.allocate(n)
 
-            points = measure_inproc(engine.kv_cache, two_lists, grid.handoff_prompt_tokens, max(grid.repeats, 3))
+            points = measure_inproc(
+                engine.kv_cache, two_lists, grid.handoff_prompt_tokens, max(grid.repeats, 3)
+            )
         else:
             from pdserve.planner.handoff_probe import measure_handoff
 
-            points = measure_handoff(engine.layout, transport, grid.handoff_prompt_tokens, max(grid.repeats, 3))
+            points = measure_handoff(
+                engine.layout, transport, grid.handoff_prompt_tokens, max(grid.repeats, 3)
+            )
         handoff += points
         for point in points:
-            log(f"KV handoff over {transport}: {point.kv_bytes / 1e6:6.1f} MB in {point.seconds * 1e3:7.1f} ms")
+            log(
+                f"KV handoff over {transport}: {point.kv_bytes / 1e6:6.1f} MB in {point.seconds * 1e3:7.1f} ms"
+            )
     router_s = _router_s_per_token(engine.tokenizer, random_prompt)
     log(f"router work per streamed token: {router_s * 1e6:.1f} us")
-    return Profile(machine=machine_facts(str(engine.layout.torch_dtype).removeprefix("torch.")),
-                   kv_bytes_per_token=engine.layout.bytes_per_block // engine.layout.block_size_tokens,
-                   router_cpu_s_per_token=router_s, prefill=tuple(prefill), decode=tuple(decode),
-                   handoff=tuple(handoff),
-                   notes=("router_cpu_s_per_token: chunk unpacking and incremental detokenization only; the "
-                          "gRPC send to the client (~0.05 ms per message, benchmarks/grpc_stream_floor.py) is "
-                          "not in it",))
+    return Profile(
+        machine=machine_facts(str(engine.layout.torch_dtype).removeprefix("torch.")),
+        kv_bytes_per_token=engine.layout.bytes_per_block // engine.layout.block_size_tokens,
+        router_cpu_s_per_token=router_s,
+        prefill=tuple(prefill),
+        decode=tuple(decode),
+        handoff=tuple(handoff),
+        notes=(
+            "router_cpu_s_per_token: chunk unpacking and incremental detokenization only; the "
+            "gRPC send to the client (~0.05 ms per message, benchmarks/grpc_stream_floor.py) is "
+            "not in it",
+        ),
+    )
 
 
 def machine_facts(dtype: str) -> dict:
@@ -101,16 +133,23 @@ def machine_facts(dtype: str) -> dict:
 
     from runtime.cpus import usable_cpus
 
-    return {"cpu_model": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cores": usable_cpus(), "torch": torch.__version__, "model": "default", "dtype": dtype,
-            "platform": platform.platform()}
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": usable_cpus(),
+        "torch": torch.__version__,
+        "model": "default",
+        "dtype": dtype,
+        "platform": platform.platform(),
+    }
 
 
 def _kv_bytes(tokens: int) -> int:
     from engine.config import NAMED_SHAPES
 
     shape = NAMED_SHAPES["smollm2-135m"]
-    return (tokens + 1024) * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 4  # fp32 is the larger
+    # fp32 is the larger
+    return (tokens + 1024) * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 4
 
 
 def _median_of(repeats: int, run: Callable[[], float]) -> float:
@@ -121,7 +160,9 @@ def _median_of(repeats: int, run: Callable[[], float]) -> float:
 def _prefill_once(engine, prompt: list[int]) -> float:
     from engine.sampling_params import SamplingParams
 
-    engine.add_request(f"p{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine.add_request(
+        f"p{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0)
+    )
     began = time.perf_counter()
     outputs = engine.step()
     seconds = time.perf_counter() - began
@@ -181,5 +222,3 @@ def _cpu_model() -> Optional[str]:
     except OSError:
         pass
     return platform.processor() or None
-
-

@@ -37,12 +37,17 @@ class SearchSpace:
         shapes = []
         for cpus in self.cpus_per_worker:
             if self.colocated:
-                shapes += [SystemShape("colocated", 0, n, cpus, transport=self.transport)
-                           for n in range(1, self.max_workers + 1)]
+                shapes += [
+                    SystemShape("colocated", 0, n, cpus, transport=self.transport)
+                    for n in range(1, self.max_workers + 1)
+                ]
             if self.disaggregated:
-                shapes += [SystemShape("disaggregated", p, d, cpus, policy, transport=self.transport)
-                           for p in range(1, self.max_workers) for d in range(1, self.max_workers - p + 1)
-                           for policy in self.pd_policies]
+                shapes += [
+                    SystemShape("disaggregated", p, d, cpus, policy, transport=self.transport)
+                    for p in range(1, self.max_workers)
+                    for d in range(1, self.max_workers - p + 1)
+                    for policy in self.pd_policies
+                ]
         if max_cpus is not None:
             shapes = [s for s in shapes if s.total_cpus <= max_cpus + 1e-9]
         return sorted(shapes, key=lambda s: (s.total_cpus, s.num_workers, str(s)))
@@ -56,25 +61,43 @@ class Plan:
     tried: list = field(default_factory=list)  # one dict per shape simulated
 
     def to_json(self) -> dict:
-        return {"shape": None if self.shape is None else str(self.shape),
-                "serve_flags": None if self.shape is None else self.shape.serve_flags(),
-                "cpus": None if self.shape is None else self.shape.total_cpus, "rate_rps": self.rate_rps,
-                "predicted": None if self.report is None else self.report.to_json(),
-                "tried": self.tried}
+        return {
+            "shape": None if self.shape is None else str(self.shape),
+            "serve_flags": None if self.shape is None else self.shape.serve_flags(),
+            "cpus": None if self.shape is None else self.shape.total_cpus,
+            "rate_rps": self.rate_rps,
+            "predicted": None if self.report is None else self.report.to_json(),
+            "tried": self.tried,
+        }
 
 
-def cheapest(profile: Profile, workload: Workload, slo: SLO, rate_rps: float, space: SearchSpace = SearchSpace(),
-             attainment: float = DEFAULT_ATTAINMENT, node_cores: Optional[int] = None,
-             log: Callable[[str], None] = lambda line: None) -> Plan:
+def cheapest(
+    profile: Profile,
+    workload: Workload,
+    slo: SLO,
+    rate_rps: float,
+    space: SearchSpace = SearchSpace(),
+    attainment: float = DEFAULT_ATTAINMENT,
+    node_cores: Optional[int] = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> Plan:
     requests = workload.requests(rate_rps)
     tried, winners, winning_cost = [], [], None
     for shape in space.shapes():
         if winning_cost is not None and shape.total_cpus > winning_cost + 1e-9:
             break
         report = simulate(profile, shape, slo, requests, node_cores)
-        tried.append(dict(shape=str(shape), cpus=shape.total_cpus, slo_attainment=report.slo_attainment,
-                          goodput_rps=report.goodput_rps))
-        log(f"{shape}: {report.slo_attainment:.0%} within SLO, goodput {report.goodput_rps:.2f} req/s")
+        tried.append(
+            dict(
+                shape=str(shape),
+                cpus=shape.total_cpus,
+                slo_attainment=report.slo_attainment,
+                goodput_rps=report.goodput_rps,
+            )
+        )
+        log(
+            f"{shape}: {report.slo_attainment:.0%} within SLO, goodput {report.goodput_rps:.2f} req/s"
+        )
         if report.slo_attainment >= attainment:
             winners.append((shape, report))
             winning_cost = shape.total_cpus
@@ -84,10 +107,17 @@ def cheapest(profile: Profile, workload: Workload, slo: SLO, rate_rps: float, sp
     return Plan(shape, rate_rps, report, tried)
 
 
-def highest_rate(profile: Profile, workload: Workload, slo: SLO, cluster_cpus: float,
-                 space: SearchSpace = SearchSpace(), attainment: float = DEFAULT_ATTAINMENT,
-                 node_cores: Optional[int] = None, steps: int = 7,
-                 log: Callable[[str], None] = lambda line: None) -> Plan:
+def highest_rate(
+    profile: Profile,
+    workload: Workload,
+    slo: SLO,
+    cluster_cpus: float,
+    space: SearchSpace = SearchSpace(),
+    attainment: float = DEFAULT_ATTAINMENT,
+    node_cores: Optional[int] = None,
+    steps: int = 7,
+    log: Callable[[str], None] = lambda line: None,
+) -> Plan:
     """For each shape within `cluster_cpus` that uses more than half of it: the highest rate (bisected,
     `steps` times after doubling from 0.25 req/s) at which it meets the target; the best of them."""
     best: Optional[tuple[float, SystemShape, Report]] = None
@@ -109,8 +139,14 @@ def highest_rate(profile: Profile, workload: Workload, slo: SLO, cluster_cpus: f
                 low, low_report = middle, report
             else:
                 high = middle
-        tried.append(dict(shape=str(shape), cpus=shape.total_cpus, max_rate_rps=low,
-                          goodput_rps=low_report.goodput_rps if low_report else 0.0))
+        tried.append(
+            dict(
+                shape=str(shape),
+                cpus=shape.total_cpus,
+                max_rate_rps=low,
+                goodput_rps=low_report.goodput_rps if low_report else 0.0,
+            )
+        )
         log(f"{shape}: holds {low:.2f} req/s")
         if low_report is not None and (best is None or low > best[0] + 1e-9):
             best = (low, shape, low_report)

@@ -37,20 +37,29 @@ class SystemShape:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
-            raise ValueError("need at least one decode worker, and one prefill worker when disaggregated")
+            raise ValueError(
+                "need at least one decode worker, and one prefill worker when disaggregated"
+            )
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
         if self.pd_policy not in POLICIES:
-            raise ValueError(f"pd policy must be one of {', '.join(POLICIES)}, got {self.pd_policy!r}")
+            raise ValueError(
+                f"pd policy must be one of {', '.join(POLICIES)}, got {self.pd_policy!r}"
+            )
 
     @classmethod
     def parse(cls, text: str, **overrides) -> "SystemShape":
         match = _TEXT.match(text.strip().lower())
         if match is None:
-            raise ValueError(f"system shape {text!r}: expected e.g. 1p1d, 2p2d@0.5, colo2, 2p1d@1/remote")
+            raise ValueError(
+                f"system shape {text!r}: expected e.g. 1p1d, 2p2d@0.5, colo2, 2p1d@1/remote"
+            )
         prefill, decode, colocated, cpus, policy = match.groups()
-        fields = dict(mode="colocated", num_prefill=0, num_decode=int(colocated)) if colocated else dict(
-            num_prefill=int(prefill), num_decode=int(decode))
+        fields = (
+            dict(mode="colocated", num_prefill=0, num_decode=int(colocated))
+            if colocated
+            else dict(num_prefill=int(prefill), num_decode=int(decode))
+        )
         if cpus:
             fields["cpus_per_worker"] = float(cpus)
         if policy:
@@ -58,8 +67,16 @@ class SystemShape:
         return cls(**{**fields, **overrides})
 
     def __str__(self) -> str:
-        base = f"colo{self.num_decode}" if self.mode == "colocated" else f"{self.num_prefill}p{self.num_decode}d"
-        policy = f"/{self.pd_policy}" if self.mode == "disaggregated" and self.pd_policy != "auto" else ""
+        base = (
+            f"colo{self.num_decode}"
+            if self.mode == "colocated"
+            else f"{self.num_prefill}p{self.num_decode}d"
+        )
+        policy = (
+            f"/{self.pd_policy}"
+            if self.mode == "disaggregated" and self.pd_policy != "auto"
+            else ""
+        )
         return f"{base}@{self.cpus_per_worker:g}{policy}"
 
     @property
@@ -76,7 +93,9 @@ class SystemShape:
 
     @property
     def pd(self) -> PDPolicyConfig:
-        return PDPolicyConfig(self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens)
+        return PDPolicyConfig(
+            self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens
+        )
 
     @property
     def routing_config(self) -> RoutingConfig:

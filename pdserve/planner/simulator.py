@@ -38,7 +38,8 @@ from router.slo import SLO
 from runtime.cores import CorePolicy
 
 BLOCK_SIZE_TOKENS = 16
-SLACK_HORIZON_TOKENS = 64  # runtime/engine_loop.py's _SLACK_HORIZON_TOKENS (that module imports torch)
+# runtime/engine_loop.py's _SLACK_HORIZON_TOKENS (that module imports torch)
+SLACK_HORIZON_TOKENS = 64
 
 
 @dataclass(eq=False)
@@ -46,7 +47,8 @@ class _Stream:
     request: Request
     hashes: list[bytes]
     computed_tokens: int = 0  # prompt tokens in the KV of the worker prefilling it
-    decode_started_s: float = 0.0  # when it joined a decode batch (the engine loop's clock for slack)
+    # when it joined a decode batch (the engine loop's clock for slack)
+    decode_started_s: float = 0.0
     queue_s: Optional[float] = None  # arrival to the start of its prefill
     token_times_s: list[float] = field(default_factory=list)
 
@@ -81,13 +83,18 @@ class _Worker:
 
 
 class Simulation:
-    def __init__(self, profile: Profile, shape: SystemShape, slo: SLO, node_cores: Optional[int] = None):
+    def __init__(
+        self, profile: Profile, shape: SystemShape, slo: SLO, node_cores: Optional[int] = None
+    ):
         self.profile, self.shape, self.slo = profile, shape, slo
         self.node_cores = node_cores or profile.cores
         self.policy = CorePolicy(tpot_budget_s=slo.tpot_s)
         self.index = PrefixIndex()
-        self.prefill = [self._worker(f"prefill-{i}", "prefill") for i in range(shape.num_prefill)] \
-            if shape.mode == "disaggregated" else []
+        self.prefill = (
+            [self._worker(f"prefill-{i}", "prefill") for i in range(shape.num_prefill)]
+            if shape.mode == "disaggregated"
+            else []
+        )
         role = "decode" if shape.mode == "disaggregated" else "colocated"
         self.decode = [self._worker(f"{role}-{i}", role) for i in range(shape.num_decode)]
         self._place_on_nodes(self.prefill + self.decode)
@@ -111,10 +118,15 @@ class Simulation:
                 if other.node == worker.node:
                     for core in other.home:
                         used[core] += 1
-            worker.home = tuple(sorted(sorted(range(self.node_cores), key=lambda c: (used[c], c))[:threads]))
+            worker.home = tuple(
+                sorted(sorted(range(self.node_cores), key=lambda c: (used[c], c))[:threads])
+            )
         for worker in workers:
-            worker.home_shared = any(set(worker.home) & set(o.home) for o in workers
-                                     if o is not worker and o.node == worker.node)
+            worker.home_shared = any(
+                set(worker.home) & set(o.home)
+                for o in workers
+                if o is not worker and o.node == worker.node
+            )
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -136,16 +148,29 @@ class Simulation:
         heapq.heappush(self._events, (time_s, next(self._order), action, argument))
 
     def _arrive(self, stream: _Stream) -> None:
-        hashes = stream.hashes[: stream.request.prompt_tokens // BLOCK_SIZE_TOKENS] \
-            if self.shape.routing == "prefix" else []
+        hashes = (
+            stream.hashes[: stream.request.prompt_tokens // BLOCK_SIZE_TOKENS]
+            if self.shape.routing == "prefix"
+            else []
+        )
         tokens = stream.request.prompt_tokens
         routing = self.shape.routing_config
-        local = rank(routing, self.index, [w.handle for w in self.decode], hashes, tokens, "decode")[0]
+        local = rank(
+            routing, self.index, [w.handle for w in self.decode], hashes, tokens, "decode"
+        )[0]
         path = "local"
         if self.shape.mode == "disaggregated":
-            remote = rank(routing, self.index, [w.handle for w in self.prefill], hashes, tokens, "prefill")[0]
-            path = decide(self.shape.pd, tokens, remote.worker.queued_prompt_tokens,
-                          local.worker.queued_prompt_tokens, remote.cached_tokens, local.cached_tokens).path
+            remote = rank(
+                routing, self.index, [w.handle for w in self.prefill], hashes, tokens, "prefill"
+            )[0]
+            path = decide(
+                self.shape.pd,
+                tokens,
+                remote.worker.queued_prompt_tokens,
+                local.worker.queued_prompt_tokens,
+                remote.cached_tokens,
+                local.cached_tokens,
+            ).path
         decode = self._by_handle(local.worker)
         decode.handle.in_flight += 1
         if path == "remote":
@@ -172,9 +197,13 @@ class Simulation:
         if worker.role == "prefill" or interleave is None or not worker.running:
             batch = self._prefill_batch(worker, budget) or self._decode_batch(worker)
         elif worker.prefilled_last:
-            batch = self._decode_batch(worker) or self._prefill_batch(worker, min(interleave, budget))
+            batch = self._decode_batch(worker) or self._prefill_batch(
+                worker, min(interleave, budget)
+            )
         else:
-            batch = self._prefill_batch(worker, min(interleave, budget)) or self._decode_batch(worker)
+            batch = self._prefill_batch(worker, min(interleave, budget)) or self._decode_batch(
+                worker
+            )
         if batch is None:
             return
         is_prefill, chunks = batch
@@ -202,15 +231,23 @@ class Simulation:
 
     def _step_s(self, worker: _Worker, is_prefill: bool, chunks, threads: int) -> float:
         if is_prefill:
-            return sum(self.profile.chunk_s(s.computed_tokens, s.computed_tokens + n, threads) for s, n in chunks)
+            return sum(
+                self.profile.chunk_s(s.computed_tokens, s.computed_tokens + n, threads)
+                for s, n in chunks
+            )
         context = sum(s.context_tokens for s, _ in chunks) / len(chunks)
         return self.profile.decode_step_s(len(chunks), context, threads)
 
     def _duration_s(self, worker: _Worker, is_prefill: bool, chunks) -> float:
         node = [w for w in self.prefill + self.decode if w.node == worker.node and w is not worker]
         # Busy workers sharing a home core divide it.
-        sharing = max((1 + sum(1 for o in node if o.busy_until_s is not None and core in o.home)
-                       for core in worker.home), default=1)
+        sharing = max(
+            (
+                1 + sum(1 for o in node if o.busy_until_s is not None and core in o.home)
+                for core in worker.home
+            ),
+            default=1,
+        )
         threads = len(worker.home)
         lenders = []
         if self.shape.lend_cores and not worker.home_shared:
@@ -246,7 +283,9 @@ class Simulation:
         def slack(stream: _Stream) -> float:
             tokens = len(stream.token_times_s)
             final = max(tokens, min(stream.request.output_tokens, tokens + SLACK_HORIZON_TOKENS))
-            return budget * final - (now_s - stream.decode_started_s) - (final - tokens + 1) * step_s
+            return (
+                budget * final - (now_s - stream.decode_started_s) - (final - tokens + 1) * step_s
+            )
 
         return min(slack(stream) for stream in owner.running)
 
@@ -287,11 +326,14 @@ class Simulation:
         stream.token_times_s.append(self.now_s + self.profile.router_cpu_s_per_token)
 
     def _handoff_s(self, stream: _Stream) -> float:
-        held = self.index.cached_blocks(stream.hashes[: stream.request.prompt_tokens // BLOCK_SIZE_TOKENS],
-                                        [stream.decode_worker.handle.worker_id]).get(
-            stream.decode_worker.handle.worker_id, 0)
+        held = self.index.cached_blocks(
+            stream.hashes[: stream.request.prompt_tokens // BLOCK_SIZE_TOKENS],
+            [stream.decode_worker.handle.worker_id],
+        ).get(stream.decode_worker.handle.worker_id, 0)
         blocks = -(-stream.request.prompt_tokens // BLOCK_SIZE_TOKENS) - held
-        return self.profile.handoff_s(blocks * BLOCK_SIZE_TOKENS * self.profile.kv_bytes_per_token, self.shape.transport)
+        return self.profile.handoff_s(
+            blocks * BLOCK_SIZE_TOKENS * self.profile.kv_bytes_per_token, self.shape.transport
+        )
 
     def _kv_ready(self, stream: _Stream) -> None:
         worker = stream.decode_worker
@@ -307,8 +349,10 @@ class Simulation:
 
     def _store(self, worker: _Worker, stream: _Stream, tokens: int) -> None:
         if self.shape.routing == "prefix":
-            self.index.apply(worker.handle.worker_id,
-                             ((True, h) for h in stream.hashes[: tokens // BLOCK_SIZE_TOKENS]))
+            self.index.apply(
+                worker.handle.worker_id,
+                ((True, h) for h in stream.hashes[: tokens // BLOCK_SIZE_TOKENS]),
+            )
 
     @property
     def workers(self) -> list[_Worker]:
@@ -321,6 +365,11 @@ def _hashes(request: Request) -> list[bytes]:
     return [f"{request.conversation}:{i}".encode() for i in range(total // BLOCK_SIZE_TOKENS)]
 
 
-def simulate(profile: Profile, shape: SystemShape, slo: SLO, requests: list[Request],
-             node_cores: Optional[int] = None) -> Report:
+def simulate(
+    profile: Profile,
+    shape: SystemShape,
+    slo: SLO,
+    requests: list[Request],
+    node_cores: Optional[int] = None,
+) -> Report:
     return Simulation(profile, shape, slo, node_cores).run(requests)

@@ -25,7 +25,8 @@ class Request(NamedTuple):
     prompt_tokens: int
     output_tokens: int
     conversation: int  # requests of one conversation share its prompt prefix
-    previous_tokens: int  # tokens of the conversation before this turn (prompt + answer of the last turn)
+    # tokens of the conversation before this turn (prompt + answer of the last turn)
+    previous_tokens: int
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,9 @@ class Workload:
         if self.num_requests < 1:
             raise ValueError(f"workload n must be >= 1, got {self.num_requests}")
         if self.arrival not in ARRIVALS:
-            raise ValueError(f"workload arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
+            raise ValueError(
+                f"workload arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}"
+            )
         if not 0.0 <= self.multi_turn_share < 1.0:
             raise ValueError(f"workload multi must be in [0, 1), got {self.multi_turn_share}")
 
@@ -58,7 +61,10 @@ class Workload:
             try:
                 if key in ("in", "out"):
                     low, _, high = value.partition("-")
-                    fields["input_tokens" if key == "in" else "output_tokens"] = (int(low), int(high or low))
+                    fields["input_tokens" if key == "in" else "output_tokens"] = (
+                        int(low),
+                        int(high or low),
+                    )
                 elif key == "n":
                     fields["num_requests"] = int(value)
                 elif key == "arrival":
@@ -72,8 +78,10 @@ class Workload:
                 else:
                     raise KeyError(key)
             except (KeyError, ValueError):
-                raise ValueError(f"workload part {part!r}: expected in=N[-M], out=N[-M], n=N, arrival=poisson|fixed, "
-                                 "multi=SHARE, turn=N or seed=N") from None
+                raise ValueError(
+                    f"workload part {part!r}: expected in=N[-M], out=N[-M], n=N, arrival=poisson|fixed, "
+                    "multi=SHARE, turn=N or seed=N"
+                ) from None
         return cls(**fields)
 
     def with_seed(self, seed: int) -> "Workload":
@@ -92,7 +100,9 @@ class Workload:
             if requests and draw.random() < self.multi_turn_share:
                 last = draw.choice(requests)
                 previous = last.prompt_tokens + last.output_tokens
-                requests.append(Request(now_s, previous + self.turn_tokens, output, last.conversation, previous))
+                requests.append(
+                    Request(now_s, previous + self.turn_tokens, output, last.conversation, previous)
+                )
             else:
                 requests.append(Request(now_s, draw.randint(*self.input_tokens), output, index, 0))
         return requests
