@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("off", "prefill", "all")
 _REGISTRY_REFRESH_S = 1.0
+# Lending within the TPOT budget counts on a stream running this many more tokens at most (or to its
+# max_tokens): one that stops sooner, at EOS, can end a little over the budget
+SLACK_HORIZON_TOKENS = 64
 
 
 @dataclass(frozen=True)

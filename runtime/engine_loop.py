@@ -21,14 +21,11 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 from engine.llm_engine import LLMEngine, RequestOutput
-from runtime.cores import CoreShare
+from runtime.cores import SLACK_HORIZON_TOKENS, CoreShare
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # with nothing to run, how long to sleep before polling hooks again
-# Lending within the TPOT budget counts on a stream running this many more tokens at most (or to its
-# max_tokens): one that stops sooner, at EOS, can end a little over the budget
-_SLACK_HORIZON_TOKENS = 64
 
 
 class EngineLoop:
@@ -143,7 +140,7 @@ class EngineLoop:
         """How long the next decode step may wait with every running stream still expected to end within
         its share of the TPOT budget (`CorePolicy.tpot_budget_s` x `tpot_share`): None when the worker has
         prompt work of its own or no budget is set. A stream's clock starts when it started decoding here,
-        and it is expected to run to its max_tokens, at most `_SLACK_HORIZON_TOKENS` more, at the mean
+        and it is expected to run to its max_tokens, at most `SLACK_HORIZON_TOKENS` more, at the mean
         decode step: so a young stream may lend the time it will save later, not only what it saved."""
         budget_s = self.cores.policy.tpot_budget_s
         scheduler = self.engine.scheduler
@@ -157,7 +154,7 @@ class EngineLoop:
 
         def slack_s(seq) -> float:
             tokens = len(seq.output_token_ids)
-            final_tokens = max(tokens, min(seq.params.max_tokens, tokens + _SLACK_HORIZON_TOKENS))
+            final_tokens = max(tokens, min(seq.params.max_tokens, tokens + SLACK_HORIZON_TOKENS))
             return (
                 share * budget_s * final_tokens
                 - (now - seq.arrival_time_s)

@@ -35,11 +35,9 @@ from router.kv_index import PrefixIndex, rank
 from router.pd_policy import decide
 from router.pool import WorkerHandle
 from router.slo import SLO
-from runtime.cores import CorePolicy
+from runtime.cores import SLACK_HORIZON_TOKENS, CorePolicy
 
 BLOCK_SIZE_TOKENS = 16
-# runtime/engine_loop.py's _SLACK_HORIZON_TOKENS (that module imports torch)
-SLACK_HORIZON_TOKENS = 64
 
 
 @dataclass(eq=False)
