@@ -21,6 +21,15 @@ from typing import AsyncIterator, Optional
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from protocol.messages import PrefillResult
+from protocol.requests import (
+    AbortRequest,
+    AcknowledgeRequest,
+    AdmitColocatedRequest,
+    AdmitRequest,
+    PrefillRequest,
+    RenewRequest,
+    ReserveRequest,
+)
 from protocol.token_stream import TokenChunk
 from router.failures import (
     AdmissionTimeoutError,
@@ -235,10 +244,10 @@ class Router:
         wid = route.worker_request_id
         if route.prefill is not None:
             if not route.prefill_released and route.prefill.state != "dead":
-                self._fire(route.prefill.actor.abort.remote(wid))
+                self._fire(route.prefill.actor.abort.remote(AbortRequest(wid)))
         route.decode.in_flight -= 1
         if not route.decode_finished and route.decode.state != "dead":
-            self._fire(route.decode.actor.abort.remote(wid))
+            self._fire(route.decode.actor.abort.remote(AbortRequest(wid)))
 
     async def abort(self, request_id: str) -> bool:
         """Ends a request in flight at once (its stream's last item has finish reason "abort"); its
@@ -365,7 +374,7 @@ class Router:
                     prefill = self._pick(self.prefill_pool, prompt)
                 except NoWorkerError:
                     # frees the reservation now, not at its timeout
-                    self._fire(decode.actor.abort.remote(wid))
+                    self._fire(decode.actor.abort.remote(AbortRequest(wid)))
                     raise
                 queued = len(prompt_ids)
                 prefill.queued_prompt_tokens += queued
@@ -378,11 +387,15 @@ class Router:
                 result: Optional[PrefillResult] = await self._call(
                     prefill,
                     prefill.actor.prefill.remote(
-                        wid, prompt_ids, params, decode.info.kv_address, reused_blocks
+                        PrefillRequest(
+                            wid, prompt_ids, params, decode.info.kv_address, reused_blocks
+                        )
                     ),
                     record,
                     every_s=timeout_s / 3,
-                    tick=lambda: self._fire(decode.actor.renew.remote(wid, timeout_s)),
+                    tick=lambda: self._fire(
+                        decode.actor.renew.remote(RenewRequest(wid, timeout_s))
+                    ),
                 )
             finally:
                 prefill.in_flight -= 1
@@ -423,7 +436,7 @@ class Router:
         await self._call(
             decode,
             decode.actor.admit.remote(
-                wid, prompt_ids, result.first_token_id, params, result.deliveries
+                AdmitRequest(wid, prompt_ids, result.first_token_id, params, result.deliveries)
             ),
             record,
         )
@@ -433,7 +446,7 @@ class Router:
                 route.prefill_released = True
                 # a routed transport's acknowledgement travels the same way (grpc's is in-band)
                 if result.deliveries:
-                    self._fire(prefill.actor.acknowledge.remote(wid))
+                    self._fire(prefill.actor.acknowledge.remote(AcknowledgeRequest(wid)))
             yield self._item(progress, chunk.token_ids, chunk.finish_reason, decode, chunk.logprobs)
 
     def _count_reuse(self, role: str, cached_tokens: int, bytes_not_shipped: int = 0) -> None:
@@ -450,9 +463,7 @@ class Router:
         Returns the worker and how many leading blocks of the prompt it already held (reused, not sent;
         prefix routing only: under load routing the whole prompt is sent, as before it)."""
         num_prompt_tokens = len(prompt.ids)
-        reserved_prompt = (
-            prompt.ids if self.config.routing.policy == "prefix" else num_prompt_tokens
-        )
+        prompt_ids = prompt.ids if self.config.routing.policy == "prefix" else None
         deadline = time.monotonic() + self.config.admission_timeout_s
         delay_s = 0.005
         # counted in `waiting_for_kv` (an autoscaler signal) once a full round failed
@@ -470,7 +481,9 @@ class Router:
                         reused = await self._unless_aborted(
                             record,
                             decode.actor.reserve.remote(
-                                wid, reserved_prompt, self.config.kv_timeout_s
+                                ReserveRequest(
+                                    wid, num_prompt_tokens, self.config.kv_timeout_s, prompt_ids
+                                )
                             ),
                         )
                         if reused is None:  # no room there now
@@ -480,11 +493,11 @@ class Router:
                             return decode, reused
                         # A scale-down began draining it while we reserved: hand the blocks back before
                         # the drain looks (it waits for `reserving`), and go elsewhere.
-                        await decode.actor.abort.remote(wid)
+                        await decode.actor.abort.remote(AbortRequest(wid))
                     except (asyncio.CancelledError, RequestAborted):
                         # The client left (or aborted) while the reservation was on its way: it may be
                         # made by now, and nothing else knows of it.
-                        self._fire(decode.actor.abort.remote(wid))
+                        self._fire(decode.actor.abort.remote(AbortRequest(wid)))
                         raise
                     except Exception as error:
                         if not is_actor_death(error):
@@ -523,7 +536,9 @@ class Router:
         worker.queued_prompt_tokens += queued
         try:
             await self._call(
-                worker, worker.actor.admit_colocated.remote(wid, prompt_ids, params), record
+                worker,
+                worker.actor.admit_colocated.remote(AdmitColocatedRequest(wid, prompt_ids, params)),
+                record,
             )
             async for chunk in self._chunks(route, coalesce=not params.stop):
                 if queued:  # its first chunk

@@ -1,0 +1,82 @@
+"""The router's requests to the workers (Ray actor calls), one frozen dataclass per call; the replies
+are in `messages`. A worker method takes exactly one of these, so a call reads by field name, not by
+position. Sampling parameters travel as the engine's `SamplingParams` (typed `Any` here: this package
+imports nothing of ours).
+
+Per request, disaggregated: `ReserveRequest` (decode) -> `PrefillRequest` (prefill; `RenewRequest` to
+the decode worker meanwhile) -> `AdmitRequest` (decode) -> `AcknowledgeRequest` (prefill, routed
+transports only) and, if the request ends early, `AbortRequest` to either. Colocated, or prefilled on
+its decode worker: `AdmitColocatedRequest`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    """Decode worker: set KV blocks aside for a prompt before its transfer starts. The reply is how many
+    leading blocks it reused from its prefix cache (not sent), or None when it has no room."""
+
+    request_id: str
+    num_prompt_tokens: int
+    timeout_s: float  # the reservation's life, renewed while the prompt waits for prefill
+    # the prompt's ids: its cached prefix is reused; None: only its length is known (load routing)
+    prompt_ids: Optional[Sequence[int]] = None
+
+
+@dataclass(frozen=True)
+class RenewRequest:
+    """Decode worker: restart a reservation's clock (its prompt still waits for prefill)."""
+
+    request_id: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Prefill worker: run the prompt, answer with its first token (`messages.PrefillResult`) and hand
+    its KV to the decode worker at `destination`."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: Any  # engine.sampling_params.SamplingParams
+    destination: Optional[str]  # the decode worker's KV address (grpc transport), else None
+    skip_blocks: int = 0  # leading prompt blocks the decode worker reused: not sent
+
+
+@dataclass(frozen=True)
+class AdmitRequest:
+    """Decode worker: decode a prompt whose KV it reserved, from its first token on."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    first_token_id: int
+    params: Any  # engine.sampling_params.SamplingParams
+    # a routed transport's KV messages (ray: header + ObjectRef), installed in the same call; () in-band
+    deliveries: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdmitColocatedRequest:
+    """Decode (or colocated) worker: prefill and decode a whole request."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: Any  # engine.sampling_params.SamplingParams
+
+
+@dataclass(frozen=True)
+class AcknowledgeRequest:
+    """Prefill worker: the decode side installed the request's KV; its blocks may be freed."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Either worker: forget the request and free whatever it holds for it."""
+
+    request_id: str
