@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from engine.llm_engine import EngineConfig, RequestOutput
-from engine.sampling_params import SamplingParams
 from kvtransfer.registry import create_sender
 from protocol.messages import PrefillResult, WorkerInfo, WorkerLoad
+from protocol.requests import AbortRequest, AcknowledgeRequest, PrefillRequest
 from runtime.cores import CorePolicy
 from runtime.engine_loop import EngineLoop
 from runtime.parking import Parking, ParkingEndpoints
@@ -68,23 +68,19 @@ class PrefillWorker(ParkingEndpoints):
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, "prefill", None)
 
-    async def prefill(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        destination: Optional[str],
-        skip_blocks: int = 0,
-    ) -> Optional[PrefillResult]:
+    async def prefill(self, request: PrefillRequest) -> Optional[PrefillResult]:
         """The prompt's first token and KV handoff, which leaves out the first `skip_blocks` blocks (the
         decode worker holds them already); None when the request was aborted meanwhile."""
+        request_id = request.request_id
         outputs = self.loop.listen(request_id)
         try:
-            self._requests[request_id] = _Prefilling(destination, time.monotonic(), skip_blocks)
+            self._requests[request_id] = _Prefilling(
+                request.destination, time.monotonic(), request.skip_blocks
+            )
             await self.parking.hold_async("queued", request_id)
             await self.loop.call(
                 lambda: self.engine.add_request(
-                    request_id, prompt_ids, params, hand_off_after_prefill=True
+                    request_id, request.prompt_ids, request.params, hand_off_after_prefill=True
                 )
             )
             result = await outputs.get()
@@ -98,11 +94,11 @@ class PrefillWorker(ParkingEndpoints):
             raise result
         return result
 
-    async def acknowledge(self, request_id: str) -> None:
-        await self.loop.call(lambda: self.sender.acknowledge(request_id))
+    async def acknowledge(self, request: AcknowledgeRequest) -> None:
+        await self.loop.call(lambda: self.sender.acknowledge(request.request_id))
 
-    async def abort(self, request_id: str) -> bool:
-        return await self.loop.call(lambda: self._abort(request_id))
+    async def abort(self, request: AbortRequest) -> bool:
+        return await self.loop.call(lambda: self._abort(request.request_id))
 
     async def load(self) -> WorkerLoad:
         return await load_report(self.worker_id, self.loop, lambda: self._served)
