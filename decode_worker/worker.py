@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence, Union
+from typing import AsyncIterator, Optional, Sequence
 
 import grpc
 
@@ -30,6 +30,13 @@ from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
 from protocol.addresses import host_port
 from protocol.messages import WorkerInfo, WorkerLoad
+from protocol.requests import (
+    AbortRequest,
+    AdmitColocatedRequest,
+    AdmitRequest,
+    RenewRequest,
+    ReserveRequest,
+)
 from protocol.token_stream import OUTPUT_STREAM_SERVICE, TokenChunk, encode_chunks, encode_hello
 from runtime.cores import CorePolicy
 from runtime.engine_loop import EngineLoop
@@ -113,25 +120,30 @@ class DecodeWorker(ParkingEndpoints):
 
     # -- disaggregated path --------------------------------------------------------------------
 
-    async def reserve(
-        self, request_id: str, prompt: Union[Sequence[int], int], timeout_s: float
-    ) -> Optional[int]:
-        """Sets blocks aside for a prompt's KV. `prompt`: its token ids, and the blocks of its prefix that
-        this worker holds (an earlier turn, a shared system prompt) are reused rather than sent; or only
-        its length. Returns how many leading blocks are reused (the prefill worker sends the others), or
-        None (a reply, not an exception) when the blocks are not free."""
+    async def reserve(self, request: ReserveRequest) -> Optional[int]:
+        """Sets blocks aside for a prompt's KV. With its token ids, the blocks of its prefix that this
+        worker holds (an earlier turn, a shared system prompt) are reused rather than sent; else only
+        its length counts. Returns how many leading blocks are reused (the prefill worker sends the
+        others), or None (a reply, not an exception) when the blocks are not free."""
+        request_id, prompt_ids, timeout_s = (
+            request.request_id,
+            request.prompt_ids,
+            request.timeout_s,
+        )
 
         def reserve() -> Optional[int]:
             if self._aborted_unknown.pop(request_id, None) is not None:
                 return None  # its abort overtook it (a Ray async actor may run calls out of order)
             try:
-                if isinstance(prompt, int):
+                if prompt_ids is None:
                     self.receiver.reserve(
-                        request_id, self.engine.allocator.blocks_needed(prompt), timeout_s
+                        request_id,
+                        self.engine.allocator.blocks_needed(request.num_prompt_tokens),
+                        timeout_s,
                     )
                     reused = 0
                 else:
-                    reused = self.receiver.reserve_prompt(request_id, prompt, timeout_s)[1]
+                    reused = self.receiver.reserve_prompt(request_id, prompt_ids, timeout_s)[1]
             except OutOfBlocksError:
                 return None
             self._handoffs[request_id] = _Handoff(timeout_s)
@@ -140,10 +152,10 @@ class DecodeWorker(ParkingEndpoints):
         # only free blocks are set aside: safe mid-step
         return await self.loop.call(reserve, mid_step=True)
 
-    async def renew(self, request_id: str, timeout_s: float) -> bool:
+    async def renew(self, request: RenewRequest) -> bool:
         """Restarts a reservation's clock (its prompt still waits for prefill); False when it is gone."""
         return await self.loop.call(
-            lambda: self.receiver.renew(request_id, timeout_s), mid_step=True
+            lambda: self.receiver.renew(request.request_id, request.timeout_s), mid_step=True
         )
 
     async def deliver(self, deliveries: Sequence) -> None:
@@ -155,29 +167,21 @@ class DecodeWorker(ParkingEndpoints):
                 log.warning("KV delivery failed: %s", error)
                 return
 
-    async def admit(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        first_token_id: int,
-        params: SamplingParams,
-        deliveries: Sequence = (),
-    ) -> None:
+    async def admit(self, request: AdmitRequest) -> None:
         """The request joins the running batch as soon as its KV is ready (now, if it already is).
         `deliveries` are a routed transport's KV messages (ray): installed here, in the same call (each
         Ray call costs the router about 1 ms of CPU)."""
-        await self.loop.call(
-            lambda: self._admit(request_id, _Admission(list(prompt_ids), first_token_id, params))
-        )
-        await self.deliver(deliveries)
+        admission = _Admission(list(request.prompt_ids), request.first_token_id, request.params)
+        await self.loop.call(lambda: self._admit(request.request_id, admission))
+        await self.deliver(request.deliveries)
 
     # -- colocated path ------------------------------------------------------------------------
 
-    async def admit_colocated(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> None:
-        await self.parking.hold_async("queued", request_id)
-        await self.loop.call(lambda: self.engine.add_request(request_id, prompt_ids, params))
+    async def admit_colocated(self, request: AdmitColocatedRequest) -> None:
+        await self.parking.hold_async("queued", request.request_id)
+        await self.loop.call(
+            lambda: self.engine.add_request(request.request_id, request.prompt_ids, request.params)
+        )
 
     # -- both ----------------------------------------------------------------------------------
 
@@ -244,8 +248,8 @@ class DecodeWorker(ParkingEndpoints):
             if self._output_channel is channel:
                 self._output_channel = None
 
-    async def abort(self, request_id: str) -> bool:
-        return await self.loop.call(lambda: self._abort(request_id))
+    async def abort(self, request: AbortRequest) -> bool:
+        return await self.loop.call(lambda: self._abort(request.request_id))
 
     async def load(self) -> WorkerLoad:
         return await load_report(
