@@ -378,10 +378,16 @@ def _live(homes: dict[str, list[int]]) -> dict[str, list[int]]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` may still compute: a zombie (exited, not yet reaped by its parent) holds no locks
+    and runs no threads, though signalling it succeeds."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # no procfs (macOS): signalling it succeeded
+        return True

@@ -57,6 +57,21 @@ def test_a_dead_workers_home_is_free_again(node, tmp_path):
     assert node().home == (0,)
 
 
+def test_an_exited_but_unreaped_workers_home_is_free_again(node, tmp_path):
+    zombie = subprocess.Popen(
+        [sys.executable, "-c", "pass"]
+    )  # not waited for: a zombie once it exits
+    try:
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (tmp_path / "homes.json").write_text(json.dumps({f"{zombie.pid}-1": [0]}))
+        assert node().home == (0,)
+    finally:
+        zombie.wait()
+
+
 def test_a_prefill_step_borrows_an_idle_workers_core_and_gives_it_back(node):
     a, b = node(), node()
     a.busy()
