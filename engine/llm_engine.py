@@ -24,9 +24,10 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import decode_graphs_for
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtypes import resolve_device
+from engine.guided import BatchMasks, GrammarCompiler, GrammarError, consume
 from engine.kv_cache import KVLayout, PagedKVCache, auto_kv_cache_bytes
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams, TokenLogprobs, logprobs_of, sample
+from engine.sampling import SamplingParams, TokenLogprobs, logprobs_of, mask_rows, sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.weights import LoadedModel, load_model
@@ -108,6 +109,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, Sequence] = {}
+        self._masks: Optional[BatchMasks] = None  # built with the first guided request
         self.last_step_was_prefill = False  # prefilled, KV kept until the handoff is released
 
     # -- requests ------------------------------------------------------------------------------
@@ -134,6 +136,7 @@ class LLMEngine:
             params.with_seed(),
             arrival_time_s=time.monotonic(),
             hand_off_after_prefill=hand_off_after_prefill,
+            matcher=self._matcher(params, prompt_ids),
         )
         self._seqs[request_id] = seq
         if self._needs_text(params):
@@ -141,6 +144,23 @@ class LLMEngine:
                 self.tokenizer, prompt_ids, params.stop
             )
         self.scheduler.add(seq)
+
+    def _matcher(self, params: SamplingParams, prompt_ids: list[int], *sampled: int):
+        """A guided request's grammar matcher, advanced over its output so far: the tokens of a
+        re-prefilled prompt past the request's own (a migrated request's) and any `sampled` here."""
+        if params.guided is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("guided decoding needs the model's tokenizer; this model has none")
+        if self._masks is None:
+            compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            self._masks = BatchMasks(compiler, torch.get_num_threads())
+        try:
+            return self._masks.compiler.matcher(
+                params.guided, params.guided.output_so_far(prompt_ids) + list(sampled)
+            )
+        except GrammarError as error:
+            raise RequestError(f"guided: {error}") from error
 
     def _needs_text(self, params: SamplingParams) -> bool:
         return self.tokenizer is not None and (self.config.detokenize or bool(params.stop))
@@ -222,6 +242,7 @@ class LLMEngine:
             block_ids=list(block_ids),
             num_computed_tokens=len(prompt_ids),
             arrival_time_s=time.monotonic(),
+            matcher=self._matcher(params, list(prompt_ids), first_token_id),
         )
         self._seqs[request_id] = seq
         # later prompts find it
@@ -270,9 +291,15 @@ class LLMEngine:
                     sampled_seqs = batch.seqs
             finally:
                 model.between_layers = None
+            guided = [row for row, seq in enumerate(sampled_seqs) if seq.matcher is not None]
+            if guided:
+                matchers = [sampled_seqs[row].matcher for row in guided]
+                logits = mask_rows(logits, guided, self._masks.compute(matchers))
             tokens = sample(
                 logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs]
             )
+            for row in guided:
+                consume(sampled_seqs[row].matcher, tokens[row])
             logprobs = _sampled_logprobs(logits, sampled_seqs, tokens)
         return [
             self._append_token(seq, token, batch, token_logprobs)

@@ -16,7 +16,7 @@ import torch
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
 
-__all__ = ["SamplingParams", "TokenLogprobs", "logprobs_of", "sample"]
+__all__ = ["SamplingParams", "TokenLogprobs", "logprobs_of", "mask_rows", "sample"]
 
 
 def sample(
@@ -28,6 +28,19 @@ def sample(
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, index)
     return tokens
+
+
+def mask_rows(logits: torch.Tensor, rows: Sequence[int], allowed) -> torch.Tensor:
+    """fp32 `logits` [batch, vocab] with the tokens not `allowed` (bool numpy [len(rows), vocab], a
+    grammar's) set to -inf in the given rows: greedy, sampling and logprobs all see only the tokens the
+    grammar allows (vLLM applies its bitmask before the sampler too). Out of place: the model's logits
+    are inference tensors."""
+    refused = ~torch.from_numpy(allowed)
+    if len(rows) != logits.shape[0]:
+        every_row = torch.zeros(logits.shape, dtype=torch.bool)
+        every_row[list(rows)] = refused
+        refused = every_row
+    return logits.masked_fill(refused.to(logits.device), float("-inf"))
 
 
 def logprobs_of(

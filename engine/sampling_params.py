@@ -11,6 +11,51 @@ from typing import NamedTuple, Optional
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's and OpenAI's limit)
+MAX_GUIDED_SPEC_CHARS = 64 << 10  # a schema, regex or the choices together
+MAX_GUIDED_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Structured output: what every output token must keep the answer within, exactly one of a JSON
+    schema (JSON text; `{"type": "object"}` for any object), a regular expression, or a list of choices.
+    Compiled into a grammar by `engine.guided` (llguidance) where tokens are sampled.
+
+    `prompt_tokens`: the request's own prompt length, set by the router. A migrated request is
+    re-prefilled as its prompt plus the tokens already sent; the tokens past `prompt_tokens` are output,
+    and a fresh matcher is advanced over them, so the grammar resumes where it was."""
+
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    choice: tuple[str, ...] = ()
+    prompt_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        given = [self.json_schema is not None, self.regex is not None, bool(self.choice)]
+        if sum(given) != 1:
+            raise ValueError("guided must hold exactly one of json_schema, regex or choice")
+        size = sum(len(s) for s in (self.json_schema or "", self.regex or "", *self.choice))
+        if size > MAX_GUIDED_SPEC_CHARS:
+            raise ValueError(f"guided is larger than {MAX_GUIDED_SPEC_CHARS} characters")
+        if len(self.choice) > MAX_GUIDED_CHOICES or any(not c for c in self.choice):
+            raise ValueError(
+                f"guided choice must hold at most {MAX_GUIDED_CHOICES} non-empty strings"
+            )
+        if self.prompt_tokens is not None and self.prompt_tokens < 1:
+            raise ValueError(f"guided prompt_tokens must be >= 1, got {self.prompt_tokens!r}")
+
+    @property
+    def kind(self) -> str:
+        if self.json_schema is not None:
+            return "json_schema"
+        return "regex" if self.regex is not None else "choice"
+
+    def output_so_far(self, prompt_ids: list[int]) -> list[int]:
+        """The tokens of an engine's prompt that were output before (a migrated request's), which the
+        grammar must have consumed before it samples."""
+        if self.prompt_tokens is None:
+            return []
+        return list(prompt_ids[self.prompt_tokens :])
 
 
 class TokenLogprobs(NamedTuple):
@@ -43,6 +88,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     # The same for every prompt token (computed by the prefill pass; the first prompt token has none).
     prompt_logprobs: Optional[int] = None
+    # Structured output: the grammar every output token keeps to (None: free text).
+    guided: Optional[GuidedDecoding] = None
 
     def __post_init__(self) -> None:
         if (

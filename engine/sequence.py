@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from engine.sampling import SamplingParams, TokenLogprobs
 
@@ -38,6 +38,8 @@ class Sequence:
     # Prompt logprobs (asked in params), of prompt tokens 1.. as the prefill's chunks compute them; they
     # leave with the first output token.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Structured output: its llguidance matcher (engine/guided.py), advanced over every output token.
+    matcher: Optional[Any] = None
 
     @property
     def token_ids(self) -> list[int]:

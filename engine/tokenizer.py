@@ -249,11 +249,17 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> list[int]:
+        """`tools`: the template's `tools` variable (OpenAI's tool definitions), None without tools."""
         # The template writes BOS itself where the model wants it, so no special tokens are added.
+        extra = {} if tools is None else {"tools": tools}
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+            self.apply_chat_template(messages, add_generation_prompt, **extra),
+            add_special_tokens=False,
         )
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 from engine.sampling_params import MAX_LOGPROBS
 from pdserve_proto import pdserve_pb2 as pb
 from router.openai_logprobs import Entry, TokenTexts, chat_logprobs, completion_logprobs
+from router.openai_tools import ToolCallStream, ToolChoice, parse_calls, read_tools
 from router.output import FinalInfo, StreamItem
 
 ERROR_TYPES = {
@@ -45,15 +46,18 @@ _NEUTRAL = {
     "repetition_penalty": (1, 1.0),
     "logit_bias": ({},),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
     "min_tokens": (0,),
     "functions": ([],),
     "function_call": ("none",),
 }
 # per endpoint (chat?): the other's feature
-_NEUTRAL_IN = {False: {"top_logprobs": (0,)}, True: {"echo": (False,)}}
+_NEUTRAL_IN = {
+    False: {"top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",)},
+    True: {"echo": (False,)},
+}
+# vLLM's structured-output extensions (both endpoints) and OpenAI's chat `response_format`
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice")
 _COMMON = {
     "model",
     "max_tokens",
@@ -70,10 +74,14 @@ _COMMON = {
     "logprobs",
     "top_logprobs",
     "echo",
+    "tools",
+    "tool_choice",
+    *GUIDED_FIELDS,
     *_NEUTRAL,
 }
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "response_format"})
+CHAT_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
@@ -116,6 +124,9 @@ class ParsedRequest:
     echo: bool = False
     # echo with max_tokens 0: the prompt scored, the one token generated is dropped
     echo_only: bool = False
+    # the field that asked for a grammar (response_format, guided_json, ...), for error messages
+    guided_param: Optional[str] = None
+    tool_choice: Optional[ToolChoice] = None  # chat with tools: how calls are read from the answer
 
 
 def parse_body(raw: bytes) -> dict:
@@ -172,10 +183,19 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
         )
 
     request = pb.GenerateRequest(request_id=request_id)
+    tool_choice = None
+    guided_param = _guided(body, request.sampling.guided, chat)
     if chat:
         _chat_prompt(body.get("messages"), request)
-        if "response_format" in body and body["response_format"] not in (None, {"type": "text"}):
-            raise invalid("response_format", "only {'type': 'text'} is supported")
+        tools = read_tools(body, invalid)
+        tool_choice = tools.choice
+        if tools.tools is not None:
+            request.chat.tools_json = json.dumps(tools.tools, ensure_ascii=False)
+        if tools.schema is not None:
+            if guided_param is not None:
+                raise invalid(guided_param, "cannot be combined with tool_choice forcing a call")
+            request.sampling.guided.json_schema = json.dumps(tools.schema, ensure_ascii=False)
+            guided_param = "tool_choice"
     else:
         _completion_prompt(body.get("prompt"), request)
     max_tokens_param = (
@@ -211,8 +231,64 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
         )
     _typed(body, "user", str, None)
     return ParsedRequest(
-        request, chat, stream, include_usage, max_tokens_param, logprobs, echo, echo_only
+        request,
+        chat,
+        stream,
+        include_usage,
+        max_tokens_param,
+        logprobs,
+        echo,
+        echo_only,
+        guided_param,
+        tool_choice,
     )
+
+
+def _guided(body: dict, guided: "pb.Guided", chat: bool) -> Optional[str]:
+    """Fills `guided` from response_format (chat) or vLLM's guided_* fields; returns the field used."""
+    asked = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    response_format = body.get("response_format") if chat else None
+    if response_format is not None and response_format != {"type": "text"}:
+        asked.insert(0, "response_format")
+    if len(asked) > 1:
+        raise invalid(asked[1], f"cannot be combined with {asked[0]}")
+    if not asked:
+        return None
+    name = asked[0]
+    value = body[name]
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            guided.json_schema = '{"type": "object"}'
+        elif kind == "json_schema":
+            spec = value.get("json_schema")
+            schema = spec.get("schema", {"type": "object"}) if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise invalid(
+                    "response_format.json_schema",
+                    "must be an object {name, schema: a JSON schema object}",
+                )
+            guided.json_schema = json.dumps(schema, ensure_ascii=False)
+        else:
+            raise invalid(
+                name,
+                "must be {type: 'text'}, {type: 'json_object'} or {type: 'json_schema', "
+                "json_schema: {name, schema}}",
+            )
+    elif name == "guided_json":
+        if isinstance(value, str):
+            guided.json_schema = value
+        elif isinstance(value, dict):
+            guided.json_schema = json.dumps(value, ensure_ascii=False)
+        else:
+            raise invalid(name, "must be a JSON schema (an object, or its JSON text)")
+    elif name == "guided_regex":
+        guided.regex = _typed(body, name, str, "")
+    else:
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise invalid(name, "must be a non-empty array of strings")
+        guided.choice.choices.extend(value)
+    return name
 
 
 def _completion_logprobs(body: dict) -> Optional[int]:
@@ -294,16 +370,24 @@ def _chat_prompt(messages: Any, request: "pb.GenerateRequest") -> None:
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise invalid(where, "must be an object with role and content")
-        extra = set(message) - {"role", "content", "name"}
+        extra = set(message) - CHAT_MESSAGE_FIELDS
         if extra:
             raise invalid(f"{where}.{sorted(extra)[0]}", "is not supported")
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid(f"{where}.role", "is required (a string)")
-        request.chat.messages.add(
+        added = request.chat.messages.add(
             role=CHAT_ROLE_ALIASES.get(role, role),
             content=_content_text(message.get("content"), where),
         )
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise invalid(f"{where}.tool_calls", "is an assistant's array of calls")
+            added.tool_calls_json = json.dumps(calls, ensure_ascii=False)
+        for name in ("tool_call_id", "name"):
+            value = _typed(message, name, str, "", f"{where}.{name}")
+            setattr(added, name, value)
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -371,6 +455,10 @@ def _sampling(body: dict, sampling: "pb.SamplingParams", max_tokens_param: str) 
 
 def openai_param(field: str, parsed: ParsedRequest) -> str:
     """A validator field name (`sampling.top_p`, `prompt.chat.messages[0].role`) as the OpenAI client spells it."""
+    if field.startswith("sampling.guided") and parsed.guided_param is not None:
+        return parsed.guided_param
+    if field.startswith("prompt.chat.tools"):
+        return "tools"
     if field.startswith("sampling."):
         name = field.removeprefix("sampling.")
         return parsed.max_tokens_param if name == "max_tokens" else name
@@ -410,9 +498,12 @@ class ResponseShape:
     prompt_text: str = ""
     created: int = 0
     _streamed_chars: int = 0  # text streamed so far: where the next chunk's text_offset starts
+    _tool_stream: Optional[ToolCallStream] = None
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
+        if self.parsed.tool_choice is not None:
+            self._tool_stream = ToolCallStream(self.parsed.tool_choice)
         self.id = ("chatcmpl-" if self.parsed.chat else "cmpl-") + self.request_id
 
     def _envelope(self, chunk: bool) -> dict:
@@ -454,26 +545,34 @@ class ResponseShape:
         chunk: bool,
         first: bool = False,
         logprobs: Optional[dict] = None,
+        tool_calls: Optional[list] = None,
     ) -> dict:
         if not self.parsed.chat:
             return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        if tool_calls and reason == "stop" and self.parsed.tool_choice.mode != "named":
+            reason = "tool_calls"  # as OpenAI: a forced named call finishes with "stop"
         if chunk:
             delta: dict = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": reason,
-        }
+        message: dict = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def full(self, items: Sequence[StreamItem]) -> dict:
         """The whole answer from all its stream items (the last one final)."""
         final = items[-1].final
         text, entries = self._answer(items, opening=True)
-        choice = self._choice(text, finish_reason(final), False, logprobs=self._logprobs(entries))
+        calls = None
+        if self.parsed.tool_choice is not None:
+            text, calls = parse_calls(text, self.parsed.tool_choice)
+        choice = self._choice(
+            text, finish_reason(final), False, logprobs=self._logprobs(entries), tool_calls=calls
+        )
         return {**self._envelope(False), "choices": [choice], "usage": usage_body(final)}
 
     def chunk(self, items: Sequence[StreamItem], first: bool = False) -> dict:
@@ -486,10 +585,15 @@ class ResponseShape:
             else None
         )
         self._streamed_chars += len(text)
+        calls = None
+        if self._tool_stream is not None:
+            text, calls = self._tool_stream.feed(text, final is not None)
         body = {
             **self._envelope(True),
             "choices": [
-                self._choice(text, finish_reason(final) if final else None, True, first, logprobs)
+                self._choice(
+                    text, finish_reason(final) if final else None, True, first, logprobs, calls
+                )
             ],
         }
         if self.parsed.include_usage:

@@ -4,16 +4,18 @@ that names the field and the limit (the router sends it as INVALID_ARGUMENT)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from dataclasses import dataclass
 
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from engine.sampling_params import SamplingParams
+from engine.guided import GrammarError, compiler_for
+from engine.sampling_params import GuidedDecoding, SamplingParams
 from engine.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 128
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class RequestValidationError(ValueError):
@@ -81,6 +83,10 @@ def validate(request, tokenizer: Tokenizer, limits: ValidationLimits) -> Validat
             "(prompt plus at least one output token)",
         )
     params = _sampling_params(request.sampling, limits)
+    if request.sampling.HasField("guided"):
+        params = dataclasses.replace(
+            params, guided=_guided(request.sampling.guided, tokenizer, len(prompt_ids))
+        )
     room = limits.max_context_tokens - len(prompt_ids)
     if params.max_tokens > room:
         params = dataclasses.replace(params, max_tokens=room)  # OpenAI-style: cut to the context
@@ -127,12 +133,86 @@ def _prompt_ids(request, tokenizer: Tokenizer, limits: ValidationLimits) -> list
         )
     if not any(m.content for m in messages):
         raise RequestValidationError("prompt.chat.messages", "hold no content")
+    tools = _json_field(request.chat.tools_json, "prompt.chat.tools", list)
     try:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+        return tokenizer.encode_chat(
+            [_template_message(m, i, tokenizer) for i, m in enumerate(messages)], tools=tools
+        )
+    except RequestValidationError:
+        raise
     except Exception as error:  # a template's own raise_exception, e.g. roles out of order
         raise RequestValidationError(
             "prompt.chat.messages", f"rejected by the chat template: {error}"
         ) from error
+
+
+def _json_field(text: str, field: str, kind: type):
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RequestValidationError(field, f"is not valid JSON: {error}") from error
+    if not isinstance(value, kind):
+        raise RequestValidationError(field, f"must be a JSON {kind.__name__}")
+    return value
+
+
+def _template_message(message, index: int, tokenizer: Tokenizer) -> dict:
+    """A message as chat templates read it (HF's convention): tool calls with their arguments as
+    objects. A template with no tool format sees an assistant's calls as its content, the JSON the
+    model was constrained to write them in: `[{"name": ..., "parameters": {...}}]`."""
+    rendered: dict = {"role": message.role, "content": message.content}
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name:
+        rendered["name"] = message.name
+    where = f"prompt.chat.messages[{index}].tool_calls"
+    calls = _json_field(message.tool_calls_json, where, list)
+    if not calls:
+        return rendered
+    functions = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestValidationError(
+                where, "each must be {type, id, function: {name, arguments}}"
+            )
+        arguments = function.get("arguments")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments or {}
+        except json.JSONDecodeError as error:
+            raise RequestValidationError(
+                f"{where}.function.arguments", f"is not valid JSON: {error}"
+            ) from error
+        functions.append({"name": function["name"], "arguments": arguments})
+    if tokenizer.chat_template is not None and "tool_calls" in tokenizer.chat_template:
+        rendered["tool_calls"] = [
+            {**call, "function": function} for call, function in zip(calls, functions)
+        ]
+    elif not message.content:
+        rendered["content"] = json.dumps(
+            [{"name": f["name"], "parameters": f["arguments"]} for f in functions]
+        )
+    return rendered
+
+
+def _guided(guided, tokenizer: Tokenizer, prompt_tokens: int) -> GuidedDecoding:
+    kind = guided.WhichOneof("constraint")
+    field = f"sampling.guided.{kind or 'constraint'}"
+    try:
+        if kind is None:
+            raise ValueError("is empty: set json_schema, regex or choice")
+        spec = GuidedDecoding(
+            json_schema=guided.json_schema if kind == "json_schema" else None,
+            regex=guided.regex if kind == "regex" else None,
+            choice=tuple(guided.choice.choices),
+            prompt_tokens=prompt_tokens,
+        )
+        compiler_for(tokenizer).check(spec)
+    except (ValueError, GrammarError) as error:
+        raise RequestValidationError(field, str(error)) from error
+    return spec
 
 
 def _sampling_params(sampling, limits: ValidationLimits) -> SamplingParams:

@@ -20,6 +20,7 @@ TORCH_FREE_ENGINE = (
     "engine.tokenizer",
     "engine.detokenizer",
     "engine.sampling_params",
+    "engine.guided",
     "engine.block_manager",
     "engine.config",
     "engine.dtypes",
