@@ -143,13 +143,13 @@ class PoolManager:
         self._check_agreement(role, actors, infos)
         if role != "prefill":  # subscribed to their tokens before any request can be routed to them
             watched = await asyncio.gather(
-                *(self.router.streams.watch(handle) for handle in handles), return_exceptions=True
+                *(self.router.watch(handle) for handle in handles), return_exceptions=True
             )
             failures = [result for result in watched if isinstance(result, BaseException)]
             if failures:
                 for handle in handles:
                     handle.state = "stopping"
-                    self.router.streams.unwatch(handle, "not started")
+                    self.router.unwatch(handle, "not started")
                     ray.kill(handle.actor)
                 raise WorkerStartError(
                     f"{role}: could not subscribe to the new workers' tokens: {failures[0]}"
@@ -292,7 +292,7 @@ class PoolManager:
                         worker.state = "dead"
                 for worker in [w for w in pool.workers if w.state == "dead"]:
                     pool.workers.remove(worker)
-                    self.router.streams.unwatch(worker, "found dead")  # its requests fail over now
+                    self.router.unwatch(worker, "found dead")  # its requests fail over now
                     try:  # dead, or alive but cut off from the router: its blocks go with it
                         ray.kill(worker.actor)
                     except Exception as error:
@@ -324,7 +324,7 @@ class PoolManager:
         for pool in (self.router.prefill_pool, self.router.decode_pool):
             for worker in pool.workers:
                 worker.state = "stopping"
-                self.router.streams.unwatch(worker, "the system is stopping")
+                self.router.unwatch(worker, "the system is stopping")
                 ray.kill(worker.actor)
 
 
@@ -354,7 +354,7 @@ class AutoscaleLoop:
         while True:
             await asyncio.sleep(self.config.interval_s)
             try:
-                signals = await self._signals(time.monotonic())
+                signals = await self._signals()
                 for decision in self.policy.decide(time.monotonic(), signals):
                     if decision.pool == "prefill" and self.pools.config.mode != "disaggregated":
                         continue
@@ -368,11 +368,10 @@ class AutoscaleLoop:
             except Exception:  # a failed round must not end autoscaling; the next one retries
                 log.exception("autoscaler round failed")
 
-    async def _signals(self, now_s: float):
+    async def _signals(self):
         from router.autoscaler import Signals
 
-        router = self.router
-        queues = [(t, queue) for t, _, queue in router.recent_first_tokens]
+        stats = self.router.stats()
         decode = self.router.decode_pool.ready()
         loads = await asyncio.gather(
             *(w.actor.load.remote() for w in decode), return_exceptions=True
@@ -383,9 +382,9 @@ class AutoscaleLoop:
         return Signals(
             prefill_workers=len(self.router.prefill_pool.ready()),
             decode_workers=len(decode),
-            ttft_p50_s=router.recent_p50(router.recent_first_tokens, now_s),
-            queue_p50_s=router.recent_p50(queues, now_s),
+            ttft_p50_s=stats.ttft_p50_s,
+            queue_p50_s=stats.queue_p50_s,
             decode_kv_use=used / total,
-            waiting_for_kv=self.router.waiting_for_kv,
-            requests_in_flight=self.router.active,  # running or waiting for KV room
+            waiting_for_kv=stats.requests_waiting_for_kv,
+            requests_in_flight=stats.requests_in_flight,  # running or waiting for KV room
         )

@@ -350,29 +350,30 @@ class System:
             else WorkerRow(w.worker_id, w.info.role, w.state, load)
             for w, load in await self.worker_loads()
         ]
-        return Snapshot(rows, self.router.active, self.router.waiting_for_kv)
+        stats = self.router.stats()
+        return Snapshot(rows, stats.requests_in_flight, stats.requests_waiting_for_kv)
 
     async def stats(self):
         from pdserve_proto import pdserve_pb2 as pb
 
         router = self.router
-        now = time.monotonic()
+        stats = router.stats()
         response = pb.GetStatsResponse(
             mode=self.config.mode,
             transport=self.config.transport,
             model=self.config.model,
-            requests_in_flight=len(router.in_flight),
-            requests_completed=router.requests_completed,
-            requests_failed=router.requests_failed,
+            requests_in_flight=stats.requests_in_flight,
+            requests_completed=stats.requests_completed,
+            requests_failed=stats.requests_failed,
             autoscaler_decisions=self.autoscaler.decisions if self.autoscaler else [],
-            requests_waiting_for_kv=router.waiting_for_kv,
-            recent_ttft_p50_s=router.recent_p50(router.recent_first_tokens, now) or 0.0,
-            recent_tpot_p50_s=router.recent_p50(router.recent_tpots, now) or 0.0,
+            requests_waiting_for_kv=stats.requests_waiting_for_kv,
+            recent_ttft_p50_s=stats.ttft_p50_s or 0.0,
+            recent_tpot_p50_s=stats.tpot_p50_s or 0.0,
             max_context_tokens=self.limits.max_context_tokens,
             model_context_tokens=self.limits.model_context_tokens,
             slo=str(router.config.slo),
-            slo_met=router.slo_met,
-            slo_finished=router.slo_finished,
+            slo_met=stats.slo_met,
+            slo_finished=stats.slo_finished,
         )
         for worker, load in await self.worker_loads():
             failed = isinstance(load, BaseException)

@@ -1,6 +1,7 @@
-"""The small typed messages of router <-> worker calls (Ray actor calls): what a worker says about itself
-(`WorkerInfo`), its load (`WorkerLoad`), and a prefill's answer (`PrefillResult`). Replies are values, not
-exceptions: a decode worker without room for a reservation answers False (`DecodeWorker.reserve`)."""
+"""The typed replies of router -> worker calls (Ray actor calls; the requests are in `requests`): what a
+worker says about itself (`WorkerInfo`), its load (`WorkerLoad`), and a prefill's answer
+(`PrefillResult`). Replies are values, not exceptions: a decode worker without room for a reservation
+answers None (`DecodeWorker.reserve`)."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             self.credentials.check(metadata.get("authorization"), admin)
         except AuthError as error:
-            self.router.metrics.requests.labels("unauthorized").inc()
+            self.router.count_refused("unauthorized")
             code = (
                 grpc.StatusCode.UNAUTHENTICATED
                 if error.status == 401
@@ -70,7 +70,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             validated = validate(request, self.router.tokenizer, self.limits)
         except RequestValidationError as error:
-            self.router.metrics.requests.labels("invalid").inc()
+            self.router.count_refused("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         failure: Optional[tuple[grpc.StatusCode, str]] = None
         with request_context(validated.request_id):
@@ -80,7 +80,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 async with contextlib.aclosing(self.router.generate(validated)) as stream:
                     async for item in stream:
                         response = _response(validated.request_id, item, validated.prompt_ids)
-                        await self.router.streams.writes_released()
+                        await self.router.writes_released()
                         yield response
             except grpc.aio.AbortError:
                 raise

@@ -22,7 +22,7 @@ from aiohttp import web
 from router.auth import AuthError, Credentials
 from router.failures import describe_failure
 from router.logs import request_context
-from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics, Snapshot
+from router.metrics import METRICS_CONTENT_TYPE, Snapshot
 from router.openai_api import (
     SSE_DONE,
     ApiError,
@@ -63,10 +63,6 @@ class HttpFrontend:
     ready: Callable[[], bool]
     started_s: float = 0.0
     _texts: Optional[TokenTexts] = None  # token texts for logprobs, shared by all requests
-
-    @property
-    def metrics(self) -> RouterMetrics:
-        return self.router.metrics
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -134,9 +130,9 @@ class HttpFrontend:
                 self._authorize(request, admin=False)
                 parsed, validated = await self._parse(request, chat, request_id)
             except ApiError as error:
-                self.metrics.requests.labels(
+                self.router.count_refused(
                     "unauthorized" if error.status in (401, 403) else "invalid"
-                ).inc()
+                )
                 raise
             shape = self._shape(parsed, validated)
             stream = self.router.generate(validated)
@@ -194,14 +190,16 @@ class HttpFrontend:
         return web.json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        snapshot = None  # the last one, unless a new one comes in time
         try:
-            self.metrics.set_snapshot(await asyncio.wait_for(self.snapshot(), timeout=5.0))
+            snapshot = await asyncio.wait_for(self.snapshot(), timeout=5.0)
         except asyncio.TimeoutError:
             log.warning(
                 "/metrics: the workers' loads did not arrive within 5 s; serving the last snapshot"
             )
         return web.Response(
-            body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
+            body=self.router.render_metrics(snapshot),
+            headers={"Content-Type": METRICS_CONTENT_TYPE},
         )
 
     async def admin_scale(self, request: web.Request) -> web.Response:
@@ -269,7 +267,7 @@ async def _event_stream(
             if item.text or item.final is not None or opening:
                 event = sse(shape.chunk(pending, first=opening))
                 pending = []
-                await router.streams.writes_released()
+                await router.writes_released()
                 await response.write(event)
                 opening = False
             if item.final is not None:

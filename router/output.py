@@ -1,9 +1,12 @@
 """What the router streams to a front end for one request: items of tokens and text, the last with the
-request's finish reason, usage and timings; and the progress it keeps to build them (tokens streamed so
-far, which a migration re-prefills, the incremental detokenizer, the timestamps)."""
+request's finish reason, usage and timings; the progress it keeps to build them (tokens streamed so
+far, which a migration re-prefills, the incremental detokenizer, the timestamps); and `Output`, which
+turns a worker's tokens into the next item, noting inter-token latency, tokens, first tokens and TPOTs
+as it goes."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -71,3 +74,73 @@ class Progress:
                 continue  # the engine ends on this token without emitting it as text
             text += self.detok.add_token(token)
         return text + (self.detok.flush() if finish_reason else "")
+
+
+class Output:
+    """Builds a request's stream items. `stats` is the router's `RouterStats` (first tokens and TPOTs
+    are the autoscaler's signals), `metrics` its `RouterMetrics`."""
+
+    def __init__(self, stats, metrics):
+        self._stats = stats
+        self._metrics = metrics
+
+    def item(
+        self,
+        progress: Progress,
+        token_ids,
+        finish_reason: Optional[str],
+        decode_worker_id: str,
+        logprobs=None,
+        prompt_logprobs=None,
+    ) -> StreamItem:
+        """The next item of tokens as a worker sent them (plain logprob tuples); it carries `final`
+        when the request ends with them, or when the router saw a stop string in their text."""
+        now = time.monotonic()
+        if progress.first_token_s is None and token_ids:
+            progress.first_token_s = now
+        if token_ids:
+            if progress.last_item_s is not None:
+                self._metrics.itl.observe(now - progress.last_item_s)
+            progress.last_item_s = now
+            self._metrics.generation_tokens.inc(len(token_ids))
+        progress.completion_tokens += len(token_ids)
+        progress.token_ids.extend(token_ids)
+        item = StreamItem(
+            list(token_ids),
+            progress.text_for(token_ids, finish_reason),
+            logprobs=typed_logprobs(logprobs),
+            prompt_logprobs=typed_logprobs(prompt_logprobs),
+        )
+        if progress.detok.stop_string is not None and finish_reason is None:
+            # the router saw the stop string first; the worker is aborted as the request ends
+            finish_reason = "stop"
+        if finish_reason is not None:
+            item.final = self.final(progress, finish_reason, now, decode_worker_id)
+        return item
+
+    def final(
+        self, progress: Progress, finish_reason: str, now: float, decode_worker_id: str
+    ) -> FinalInfo:
+        first = progress.first_token_s or now
+        ttft_s = first - progress.start_s
+        tokens = progress.completion_tokens
+        if tokens > 1:
+            self._stats.tpot(now, (now - first) / (tokens - 1))
+        if progress.prefill is None:  # colocated: the first token came from the one worker
+            self._stats.first_token(now, ttft_s, 0.0)
+        prefill = progress.prefill
+        return FinalInfo(
+            finish_reason=finish_reason,
+            prompt_tokens=progress.prompt_tokens,
+            completion_tokens=tokens,
+            cached_prompt_tokens=progress.cached_prompt_tokens,
+            ttft_s=ttft_s,
+            tpot_s=(now - first) / (tokens - 1) if tokens > 1 else 0.0,
+            queue_s=prefill.queue_s if prefill else 0.0,
+            prefill_s=prefill.prefill_s if prefill else 0.0,
+            kv_bytes=prefill.kv_bytes if prefill else 0,
+            kv_transfer_s=progress.kv_transfer_s,
+            e2e_s=now - progress.start_s,
+            prefill_worker=prefill.worker_id if prefill else "",
+            decode_worker=decode_worker_id,
+        )

@@ -75,7 +75,7 @@ def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_token
     from tests.test_faults import MAX_TOKENS as FAULT_MAX_TOKENS, PROMPT, _Stream, _wait_healed
 
     router = bf16_pair.system.router
-    migrations_before = router.migrations
+    migrations_before = router.stats().migrations
     stream = _Stream(bf16_pair, "bf16-decode-killed")
     deadline = time.monotonic() + 60
     while len(stream.tokens) < 5:
@@ -83,12 +83,12 @@ def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_token
             "the request never reached decode"
         )
         time.sleep(0.005)
-    victim = router.in_flight["bf16-decode-killed"].route.decode
+    victim = router.route_of("bf16-decode-killed").decode
     sent_before_kill = len(stream.tokens)
     ray.kill(victim.actor, no_restart=True)
     stream.join()
     assert stream.error is None, stream.error
-    assert router.migrations == migrations_before + 1
+    assert router.stats().migrations == migrations_before + 1
     # ignore_eos: every token once, none missing or repeated
     assert len(stream.tokens) == FAULT_MAX_TOKENS
     assert stream.final.decode_worker != victim.worker_id

@@ -173,12 +173,12 @@ def _hold_and_kill(system, phase: str, request_id: str, kill_sender: bool = Fals
                     "the request never reached decode"
                 )
                 time.sleep(0.005)
-            victim = router.in_flight[request_id].route.decode
+            victim = router.route_of(request_id).decode
         else:
             while not any(request_id in parked for parked in _call_all(system, armed, "parked")):
                 assert time.monotonic() < deadline, f"the request was never held in phase {phase}"
                 time.sleep(0.02)
-            route = router.in_flight[request_id].route
+            route = router.route_of(request_id)
             holder = next(
                 w
                 for w, parked in zip(armed, _call_all(system, armed, "parked"))
@@ -210,7 +210,7 @@ def test_the_worker_holding_a_request_killed_in_each_phase_recovers_it_exactly(s
         pytest.skip(f"no {phase} phase in {system.name}")
     reference = _reference(system)
     router = system.system.router
-    migrations_before = router.migrations
+    migrations_before = router.stats().migrations
     killed, stream = _hold_and_kill(
         system,
         phase.removesuffix("-sender"),
@@ -223,12 +223,12 @@ def test_the_worker_holding_a_request_killed_in_each_phase_recovers_it_exactly(s
         "recovered_identical": int(recovered),
         "clean_errors": int(stream.error is not None),
         "hung": 0,
-        "migrations": router.migrations - migrations_before,
+        "migrations": router.stats().migrations - migrations_before,
         "seconds": round(stream.ended_s - stream.started_s, 2),
     }
     assert stream.error is None, stream.error
     assert stream.tokens == reference
-    assert router.migrations == migrations_before + 1
+    assert router.stats().migrations == migrations_before + 1
     assert killed not in (stream.final.prefill_worker, stream.final.decode_worker)
     assert stream.ended_s - stream.started_s < BOUND_S
     _wait_healed(system)
@@ -279,7 +279,7 @@ def test_a_worker_cut_off_from_the_router_is_killed_and_replaced(system):
 
 
 async def _unwatch(router, worker) -> None:
-    router.streams.unwatch(worker, "test: cut off from the router")
+    router.unwatch(worker, "test: cut off from the router")
 
 
 def _kill(system, role: str) -> str:

@@ -211,10 +211,14 @@ def system(request, harness):
 
 
 def _counter(system, name: str) -> dict[tuple, float]:
-    metric = getattr(system.system.router.metrics, name)
+    """A counter of the router's /metrics text (`pdserve_<name>_total`), by its label values."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = system.system.router.render_metrics().decode()
     return {
         tuple(sample.labels.values()): sample.value
-        for family in metric.collect()
+        for family in text_string_to_metric_families(text)
+        if family.name == f"pdserve_{name}"
         for sample in family.samples
         if sample.name.endswith("_total")
     }
@@ -261,7 +265,7 @@ def test_later_turns_go_where_the_history_is_cached_and_ship_only_new_blocks(sys
         system, tokenizer, "Question: why did towns grow at river crossings?"
     )
     assert first.prefill_worker and first.timings.kv_bytes == -(-len(prompt) // 16) * block_bytes
-    reused_before = _counter(system, "kv_bytes_reused").get((), 0)
+    reused_before = _counter(system, "kv_reused_bytes").get((), 0)
     for question in (" And why near river mouths?", " What did traders carry on the rivers?"):
         new = first.token_ids + tokenizer.encode(question)
         history = prompt + first.token_ids
@@ -278,9 +282,9 @@ def test_later_turns_go_where_the_history_is_cached_and_ship_only_new_blocks(sys
         )
         assert list(turn.token_ids) == _cold(smollm_fp32, prompt, 10)
         first = turn
-    assert _counter(system, "kv_bytes_reused").get((), 0) > reused_before
-    assert _counter(system, "routing_decisions").get(("decode", "prefix_hit"), 0) >= 2
-    assert _counter(system, "prefix_hit_tokens").get(("prefill",), 0) > 0
+    assert _counter(system, "kv_reused_bytes").get((), 0) > reused_before
+    assert _counter(system, "routing_decision").get(("decode", "prefix_hit"), 0) >= 2
+    assert _counter(system, "prefix_cache_hit_tokens").get(("prefill",), 0) > 0
     assert system.wait_idle().requests_in_flight == 0
 
 
@@ -293,7 +297,7 @@ def test_a_later_turn_prefills_on_the_decode_worker_holding_its_history(system, 
     assert not turn.prefill_worker and turn.timings.kv_bytes == 0
     assert turn.decode_worker == first.decode_worker
     assert turn.usage.cached_prompt_tokens >= len(prompt) - 64
-    assert _counter(system, "pd_decisions").get(("local", "prefix_hit"), 0) >= 1
+    assert _counter(system, "pd_decision").get(("local", "prefix_hit"), 0) >= 1
     assert list(turn.token_ids) == _cold(smollm_fp32, prompt, 10)
 
 

@@ -271,6 +271,51 @@ def test_the_checks_catch_forbidden_imports():
     ]
 
 
+# The router's parts (docs/architecture.md): `router.router` composes them, so none of them imports it or
+# a front end; the front ends, the pools and the system use `Router`'s public methods only.
+ROUTER_PARTS = (
+    "router.registry",
+    "router.placement",
+    "router.reservation",
+    "router.flows",
+    "router.chunks",
+    "router.worker_client",
+    "router.output",
+    "router.stats",
+    "router.counting",
+)
+ROUTER_USERS = (
+    "router/grpc_server.py",
+    "router/http_server.py",
+    "pdserve/pools.py",
+    "pdserve/system.py",
+)
+
+
+def test_the_router_parts_import_neither_the_router_nor_a_front_end(imports):
+    above = ("router.router", "router.grpc_server", "router.http_server")
+    assert set(ROUTER_PARTS) <= {imp.module for imp in imports["router"]}
+    found = [
+        f"{imp.module}:{imp.line} imports {imp.target}"
+        for imp in imports["router"]
+        if imp.module in ROUTER_PARTS and imp.target in above
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_servers_pools_and_system_use_no_private_name_of_the_router():
+    found = []
+    for path in ROUTER_USERS:
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and ast.unparse(node.value).split(".")[-1] == "router"
+            ):
+                found.append(f"{path}:{node.lineno} uses {ast.unparse(node)}")
+    assert not found, "\n".join(found)
+
+
 def _modules_loaded_by(statement: str) -> set[str]:
     code = f"import sys; {statement}; print('\\n'.join(sys.modules))"
     out = subprocess.run(

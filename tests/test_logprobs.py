@@ -485,17 +485,17 @@ def test_logprobs_survive_a_decode_worker_killed_mid_stream(system, smollm_fp32,
                 errors.append(error)
 
     router = system.system.router
-    migrations = router.migrations
+    migrations = router.stats().migrations
     thread = threading.Thread(target=run)
     thread.start()
     deadline = time.monotonic() + 60
     while sum(len(r.token_ids) for r in responses) < 5:
         assert time.monotonic() < deadline and thread.is_alive(), "the request never reached decode"
         time.sleep(0.005)
-    ray.kill(router.in_flight[request_id].route.decode.actor, no_restart=True)
+    ray.kill(router.route_of(request_id).decode.actor, no_restart=True)
     thread.join(120)
     assert not errors and not thread.is_alive()
-    assert router.migrations == migrations + 1
+    assert router.stats().migrations == migrations + 1
     got_tokens = [t for r in responses for t in r.token_ids]
     got = [_typed(lp) for r in responses for lp in r.logprobs]
     assert got_tokens == tokens and len(got) == max_tokens

@@ -110,7 +110,8 @@ def _check_settled(system) -> None:
     after = system.wait_idle()
     assert after.requests_in_flight == 0
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in after.workers)
-    assert system.system.router.active == 0 and system.system.router.waiting_for_kv == 0
+    stats = system.system.router.stats()
+    assert stats.requests_in_flight == 0 and stats.requests_waiting_for_kv == 0
 
 
 def test_200_concurrent_streams_over_small_queues(system, references):
@@ -283,5 +284,5 @@ def test_a_grpc_deadline_ends_the_request_on_its_workers(system):
     assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert received and time.monotonic() - started < 10  # it was decoding when the deadline passed
     after = system.wait_idle(timeout_s=15)
-    assert after.requests_in_flight == 0 and system.system.router.active == 0
+    assert after.requests_in_flight == 0 and system.system.router.stats().requests_in_flight == 0
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in after.workers)

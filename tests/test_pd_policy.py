@@ -95,10 +95,13 @@ def system(harness, tmp_path_factory):
 
 
 def _decisions(system) -> dict[tuple[str, str], float]:
-    counter = system.system.router.metrics.pd_decisions
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = system.system.router.render_metrics().decode()
     return {
         tuple(sample.labels[k] for k in ("path", "reason")): sample.value
-        for metric in counter.collect()
+        for metric in text_string_to_metric_families(text)
+        if metric.name == "pdserve_pd_decision"
         for sample in metric.samples
         if sample.name.endswith("_total")
     }

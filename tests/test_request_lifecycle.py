@@ -82,11 +82,11 @@ def test_abort_mid_prefill_ends_the_stream_at_once_and_frees_everything(system):
     thread = threading.Thread(target=run)
     thread.start()
     deadline = time.monotonic() + 30
-    while not (router.in_flight.get("abort-me") and router.in_flight["abort-me"].route):
+    while not router.route_of("abort-me"):
         assert time.monotonic() < deadline, "the request never reached a prefill worker"
         time.sleep(0.01)
     time.sleep(0.3)  # the prefill worker is inside the prompt's forward pass now
-    route = router.in_flight["abort-me"].route
+    route = router.route_of("abort-me")
     with system.client() as client:
         started = time.monotonic()
         assert client.abort("abort-me") is True

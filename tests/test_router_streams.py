@@ -20,19 +20,31 @@ from protocol.token_stream import (
     decode_chunks,
     encode_chunks,
 )
+from router.chunks import read_chunks
 from router.failures import WorkerError, WorkerLost
-from router.pool import WorkerHandle, WorkerPool
-from router.router import Router, RouterConfig, _Request
+from router.pool import WorkerHandle
+from router.registry import Registry, Route
+from router.router import RouterConfig
+from router.token_stream import TokenStreams
+from router.worker_client import WorkerClient
 
 
-def _record(request_id: str) -> _Request:
-    """A request as the router holds it from admission (on the running loop)."""
-    return _Request(request_id, asyncio.get_running_loop().create_future())
+class _Intake:
+    """The router's parts that hand a decode worker's chunks to a request: its token streams, its
+    registry (an attempt's route and inbox) and the chunk reader, as `Router` composes them."""
 
+    def __init__(self, stream_interval: int = 1):
+        self.streams = TokenStreams()
+        self.client = WorkerClient()
+        self.registry = Registry(self.streams, self.client)
+        self.stream_interval = stream_interval
 
-def _router(stream_interval: int = 1) -> Router:
-    config = RouterConfig("disaggregated", stream_interval=stream_interval)
-    return Router(config, None, WorkerPool("prefill"), WorkerPool("decode"))
+    def track(self, request_id: str, holder: WorkerHandle) -> Route:
+        """A request admitted and its attempt held by `holder` (on the running loop)."""
+        return self.registry.track(self.registry.claim(request_id), request_id, None, holder)
+
+    def chunks(self, route: Route, coalesce: bool = True):
+        return read_chunks(route, self.client, self.stream_interval, coalesce)
 
 
 def _worker(worker_id: str) -> WorkerHandle:
@@ -42,26 +54,26 @@ def _worker(worker_id: str) -> WorkerHandle:
 
 
 def _collect(
-    router: Router, holder: WorkerHandle, deliveries, coalesce: bool = True
+    intake: _Intake, holder: WorkerHandle, deliveries, coalesce: bool = True
 ) -> list[TokenChunk]:
     """On a loop, as in the router: track a request held by `holder`, deliver (worker, chunks) pairs, and
     collect what its consumer gets."""
 
     async def run():
-        route = router._track(_record("req"), "req", None, holder)
+        route = intake.track("req", holder)
         for worker, chunks in deliveries:
-            router.streams.deliver(worker, chunks)
-        return [chunk async for chunk in router._chunks(route, coalesce)]
+            intake.streams.deliver(worker, chunks)
+        return [chunk async for chunk in intake.chunks(route, coalesce)]
 
     return asyncio.run(run())
 
 
 def test_chunks_from_a_worker_that_no_longer_holds_the_request_are_dropped():
-    router = _router()
+    intake = _Intake()
     handed_back, holder = _worker("decode-0"), _worker("decode-1")
     # decode-0 had a reservation under the same id, handed back: its abort notice must not end the request
     chunks = _collect(
-        router,
+        intake,
         holder,
         [
             (handed_back, [TokenChunk("req", (), finish_reason="abort")]),
@@ -73,10 +85,10 @@ def test_chunks_from_a_worker_that_no_longer_holds_the_request_are_dropped():
 
 def test_a_backlog_leaves_as_one_chunk_but_not_for_requests_with_stop_strings():
     for coalesce, expected in ((True, [(1, 2, 3)]), (False, [(1,), (2,), (3,)])):
-        router = _router()
+        intake = _Intake()
         worker = _worker("decode-0")
         chunks = _collect(
-            router,
+            intake,
             worker,
             [
                 (
@@ -96,18 +108,18 @@ def test_a_backlog_leaves_as_one_chunk_but_not_for_requests_with_stop_strings():
 
 def test_stream_interval_holds_decode_tokens_but_not_the_first_chunk_nor_the_last():
     async def run():
-        router = _router(stream_interval=3)
+        intake = _Intake(stream_interval=3)
         worker = _worker("decode-0")
-        route = router._track(_record("req"), "req", None, worker)
+        route = intake.track("req", worker)
         received: list[tuple[int, ...]] = []
 
         async def consume():
-            async for chunk in router._chunks(route):
+            async for chunk in intake.chunks(route):
                 received.append(chunk.token_ids)
 
         consumer = asyncio.get_running_loop().create_task(consume())
         for token in range(1, 8):  # one step at a time, the consumer keeping up
-            router.streams.deliver(
+            intake.streams.deliver(
                 worker,
                 [TokenChunk("req", (token,), finish_reason="length" if token == 7 else None)],
             )
@@ -120,19 +132,19 @@ def test_stream_interval_holds_decode_tokens_but_not_the_first_chunk_nor_the_las
 
 def test_a_worker_lost_mid_interval_still_hands_over_the_tokens_held_back_first():
     async def run():
-        router = _router(stream_interval=4)
+        intake = _Intake(stream_interval=4)
         worker = _worker("decode-0")
-        route = router._track(_record("req"), "req", None, worker)
-        router.streams.deliver(worker, [TokenChunk("req", (1,))])
+        route = intake.track("req", worker)
+        intake.streams.deliver(worker, [TokenChunk("req", (1,))])
         received = []
         with pytest.raises(WorkerLost, match="decode-0 died"):
-            async for chunk in router._chunks(route):
+            async for chunk in intake.chunks(route):
                 received.append(chunk.token_ids)
                 if len(received) == 1:
-                    router.streams.deliver(
+                    intake.streams.deliver(
                         worker, [TokenChunk("req", (2,)), TokenChunk("req", (3,))]
                     )
-                    router.streams.inbox("req").put_nowait(
+                    intake.streams.inbox("req").put_nowait(
                         WorkerLost(worker, "its output stream ended")
                     )
         return received
@@ -209,12 +221,12 @@ def token_server():
         server.stop()
 
 
-async def _subscribed(server: _TokenServer) -> tuple[Router, WorkerHandle]:
-    """A router subscribed to the server's stream, as to a decode worker "decode-0"."""
-    router = _router()
+async def _subscribed(server: _TokenServer) -> tuple[_Intake, WorkerHandle]:
+    """The router's parts subscribed to the server's stream, as to a decode worker "decode-0"."""
+    intake = _Intake()
     worker = server.worker("decode-0")
-    await router.streams.watch(worker)
-    return router, worker
+    await intake.streams.watch(worker)
+    return intake, worker
 
 
 def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_then_the_end_fails_requests(
@@ -223,12 +235,12 @@ def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_the
     server = token_server("decode-0")
 
     async def run():
-        router, worker = await _subscribed(server)
-        route = router._track(_record("req"), "req", None, worker)
+        intake, worker = await _subscribed(server)
+        route = intake.track("req", worker)
         received = []
 
         async def consume():
-            async for chunk in router._chunks(route):
+            async for chunk in intake.chunks(route):
                 received.append(chunk.token_ids)
 
         consumer = asyncio.get_running_loop().create_task(consume())
@@ -251,22 +263,20 @@ def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_the
 def test_a_token_stream_that_answers_for_another_worker_is_refused(token_server):
     server = token_server("decode-7")
     with pytest.raises(WorkerError, match="decode-7"):
-        asyncio.run(_router().streams.watch(server.worker("decode-0")))
+        asyncio.run(_Intake().streams.watch(server.worker("decode-0")))
 
 
 def test_a_steps_messages_are_all_prepared_before_the_first_is_written(token_server):
     server = token_server("decode-0")
 
     async def run():
-        router, worker = await _subscribed(server)
+        intake, worker = await _subscribed(server)
         log = []
 
         async def consume(request_id: str):  # what a frontend does per message
-            async for chunk in router._chunks(
-                router._track(_record(request_id), request_id, None, worker)
-            ):
+            async for chunk in intake.chunks(intake.track(request_id, worker)):
                 log.append(("prepared", request_id))
-                await router.streams.writes_released()
+                await intake.streams.writes_released()
                 log.append(("written", request_id))
 
         consumers = [asyncio.get_running_loop().create_task(consume(r)) for r in "abc"]

@@ -11,10 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.dtypes import AUTO_DTYPE_ENV
+from router.metrics import RouterMetrics
 from router.output import FinalInfo
-from router.pool import WorkerPool
-from router.router import Router, RouterConfig
 from router.slo import DEFAULT_SLO, FAST_SLO, FP32_CPU_SLO, SLO, auto_slo
+from router.stats import RouterStats
 
 
 def test_parse_takes_milliseconds_with_comma_or_space_and_prints_them_back():
@@ -101,12 +101,7 @@ def _samples(body: bytes) -> dict:
 
 
 def test_the_router_counts_completed_requests_only_against_its_slo():
-    router = Router(
-        RouterConfig("disaggregated", slo=SLO.parse("ttft:100,tpot:10")),
-        None,
-        WorkerPool("prefill"),
-        WorkerPool("decode"),
-    )
+    stats = RouterStats(RouterMetrics(), SLO.parse("ttft:100,tpot:10"))
     for final in (
         _final("stop", 0.05, 0.005),
         _final("length", 0.05, 0.02),
@@ -116,9 +111,9 @@ def test_the_router_counts_completed_requests_only_against_its_slo():
         # ended by a worker's abort: not a completed request
         _final("abort", 0.01, 0.001),
     ):
-        router._finished(final)
-    assert (router.slo_met, router.slo_finished) == (2, 4)
-    samples = _samples(router.metrics.render())
+        stats.finished(final)
+    assert (stats.slo_met, stats.slo_finished) == (2, 4)
+    samples = _samples(stats.metrics.render())
     results = {
         result: samples[f'pdserve_slo_requests_total{{"result": "{result}"}}']
         for result in ("met", "ttft_missed", "tpot_missed", "both_missed")

@@ -1,0 +1,174 @@
+"""The two ways an attempt of a request runs, each an async iterator of stream items:
+
+- `disaggregated`: reserve KV blocks on a decode worker (router/reservation.py) -> prefill on a prefill
+  worker, whose first token streams at once (the decode reservation renewed while the prompt waits)
+  -> admit on the decode worker (with a routed transport's KV deliveries) -> its tokens; the first
+  decoded chunk says the KV is installed, and the prefill worker may free its blocks.
+- `local`: the whole request on one worker: a colocated worker, or a disaggregated system's decode
+  worker prefilling it itself (router/pd_policy.py).
+
+Worker calls go through `WorkerClient` (typed, transport hidden); the attempt's workers are tracked in
+its `Route` (router/registry.py), which the router settles when the attempt ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import AsyncIterator
+
+from protocol.requests import AdmitColocatedRequest, AdmitRequest, PrefillRequest, RenewRequest
+from router.chunks import read_chunks
+from router.counting import Count
+from router.failures import RequestAborted
+from router.kv_index import PrefixIndex
+from router.metrics import RouterMetrics
+from router.output import Output, Progress, StreamItem
+from router.placement import Placement, Prompt
+from router.pool import NoWorkerError
+from router.registry import Registry, RequestRecord
+from router.reservation import DecodeReservation
+from router.worker_client import WorkerClient
+
+
+class Flows:
+    """`stats` is the router's `RouterStats` (first tokens)."""
+
+    def __init__(
+        self,
+        placement: Placement,
+        reservation: DecodeReservation,
+        registry: Registry,
+        client: WorkerClient,
+        output: Output,
+        stats,
+        metrics: RouterMetrics,
+        kv_index: PrefixIndex,
+        kv_timeout_s: float,
+        stream_interval: int,
+    ):
+        self._placement = placement
+        self._reservation = reservation
+        self._registry = registry
+        self._client = client
+        self._output = output
+        self._stats = stats
+        self._metrics = metrics
+        self._kv_index = kv_index
+        self._kv_timeout_s = kv_timeout_s
+        self._stream_interval = stream_interval
+
+    async def disaggregated(
+        self, record: RequestRecord, wid: str, prompt: Prompt, params, progress: Progress
+    ) -> AsyncIterator[StreamItem]:
+        placement, client = self._placement, self._client
+        with contextlib.ExitStack() as counts:
+            # The prompt counts in its prefill worker's queue from now, so the next request's
+            # placement sees it; no prefill worker: UNAVAILABLE at once, before reserving anything.
+            prefill = placement.pick(placement.prefill_pool, prompt)
+            queued = counts.enter_context(Count(prefill, "queued_prompt_tokens", len(prompt.ids)))
+            decode, reused_blocks = await self._reservation.reserve(record, wid, prompt)
+            if prefill.state != "ready":  # it began draining or died while we reserved: another one
+                queued.release()
+                try:
+                    prefill = placement.pick(placement.prefill_pool, prompt)
+                except NoWorkerError:
+                    client.abort(decode, wid)  # frees the reservation now, not at its timeout
+                    raise
+                counts.enter_context(Count(prefill, "queued_prompt_tokens", len(prompt.ids)))
+            route = self._registry.track(record, wid, prefill, decode)
+            # The reservation's clock is renewed while the prompt waits in the prefill queue: a long
+            # queue must never expire it (its timeout is for KV that stopped coming, not for KV not
+            # yet computed). The prefill worker skips the blocks the decode worker reused.
+            renewal = RenewRequest(wid, self._kv_timeout_s)
+            with route.prefill_count:
+                result = await client.prefill(
+                    prefill,
+                    record,
+                    PrefillRequest(wid, prompt.ids, params, decode.info.kv_address, reused_blocks),
+                    every_s=self._kv_timeout_s / 3,
+                    tick=lambda: client.renew(decode, renewal),
+                )
+        if result is None:  # the prefill worker was told to abort it
+            raise RequestAborted()
+        self._kv_index.apply(prefill.worker_id, result.kv_events)
+        self._count_reuse(prefill.info.role, result.num_cached_prompt_tokens)
+        self._count_reuse(
+            decode.info.role,
+            reused_blocks * decode.info.block_size_tokens,
+            reused_blocks * decode.info.kv_block_bytes,
+        )
+        progress.prefill = result
+        progress.cached_prompt_tokens = result.num_cached_prompt_tokens
+        if progress.first_token_s is None:
+            now = time.monotonic()
+            self._stats.first_token(now, now - progress.start_s, result.queue_s)
+        first_logprobs = (
+            None if result.first_token_logprobs is None else (result.first_token_logprobs,)
+        )
+        first = (result.first_token_id,)
+        if result.finish_reason is not None:  # finished at its first token: nothing to hand off
+            route.prefill_released = True
+            yield self._output.item(
+                progress,
+                first,
+                result.finish_reason,
+                decode.worker_id,
+                first_logprobs,
+                result.prompt_logprobs,
+            )
+            return
+        yield self._output.item(
+            progress, first, None, decode.worker_id, first_logprobs, result.prompt_logprobs
+        )
+        await client.admit(
+            decode,
+            record,
+            AdmitRequest(wid, prompt.ids, result.first_token_id, params, result.deliveries),
+        )
+        async for chunk in read_chunks(
+            route, client, self._stream_interval, coalesce=not params.stop
+        ):
+            if chunk.kv_ready_wall_s is not None:
+                progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
+                route.prefill_released = True
+                client.kv_installed(prefill, wid, result)
+            yield self._output.item(
+                progress, chunk.token_ids, chunk.finish_reason, decode.worker_id, chunk.logprobs
+            )
+
+    async def local(
+        self, record: RequestRecord, wid: str, prompt: Prompt, params, progress: Progress
+    ) -> AsyncIterator[StreamItem]:
+        worker = self._placement.pick(self._placement.decode_pool, prompt)
+        route = self._registry.track(record, wid, None, worker)
+        # until its first token: the worker's local prefill queue
+        with Count(worker, "queued_prompt_tokens", len(prompt.ids)) as queued:
+            await self._client.admit_colocated(
+                worker, record, AdmitColocatedRequest(wid, prompt.ids, params)
+            )
+            first = True
+            async for chunk in read_chunks(
+                route, self._client, self._stream_interval, coalesce=not params.stop
+            ):
+                if first:
+                    self._count_reuse(worker.info.role, chunk.num_cached_prompt_tokens)
+                    first = False
+                queued.release()
+                progress.cached_prompt_tokens = max(
+                    progress.cached_prompt_tokens, chunk.num_cached_prompt_tokens
+                )
+                yield self._output.item(
+                    progress,
+                    chunk.token_ids,
+                    chunk.finish_reason,
+                    worker.worker_id,
+                    chunk.logprobs,
+                    chunk.prompt_logprobs,
+                )
+
+    def _count_reuse(self, role: str, cached_tokens: int, bytes_not_shipped: int = 0) -> None:
+        if cached_tokens:
+            self._metrics.prefix_hit_tokens.labels(role).inc(cached_tokens)
+        if bytes_not_shipped:
+            self._metrics.kv_bytes_reused.inc(bytes_not_shipped)

@@ -1,0 +1,88 @@
+"""Placement: which worker of a pool takes a request's attempt (router/kv_index.py: the prefix it holds
+against its load), and where a disaggregated attempt prefills (router/pd_policy.py: the two pools' best
+candidates compared). Pure bookkeeping on what the router knows: no worker call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
+from router.metrics import RouterMetrics
+from router.pd_policy import Decision, PDPolicyConfig, decide
+from router.pool import NoWorkerError, WorkerHandle, WorkerPool
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One attempt's prompt as placement sees it: token ids, and their block hashes (prefix routing)."""
+
+    ids: list[int]
+    hashes: list[bytes]
+
+
+class Placement:
+    def __init__(
+        self,
+        routing: RoutingConfig,
+        pd: PDPolicyConfig,
+        kv_index: PrefixIndex,
+        prefill_pool: WorkerPool,
+        decode_pool: WorkerPool,
+        metrics: RouterMetrics,
+    ):
+        self.routing = routing
+        self._pd = pd
+        self._kv_index = kv_index
+        self.prefill_pool = prefill_pool
+        self.decode_pool = decode_pool
+        self._metrics = metrics
+
+    def prompt(self, prompt_ids: list[int]) -> Prompt:
+        workers = self.decode_pool.ready() or self.prefill_pool.ready()
+        hashes = (
+            prompt_hashes(self.routing, prompt_ids, workers[0].info.block_size_tokens)
+            if workers
+            else []
+        )
+        return Prompt(prompt_ids, hashes)
+
+    def ranked(self, pool: WorkerPool, prompt: Prompt) -> list[Candidate]:
+        """The pool's ready workers, best first."""
+        return rank(
+            self.routing, self._kv_index, pool.ready(), prompt.hashes, len(prompt.ids), pool.role
+        )
+
+    def place(self, prompt: Prompt) -> Decision:
+        """Where a disaggregated request's prompt is prefilled: the prefill pool, or its decode worker
+        (each pool's best candidate compared: queued prompt tokens, and what each holds of the prompt)."""
+        remote = next(iter(self.ranked(self.prefill_pool, prompt)), None)
+        local = next(iter(self.ranked(self.decode_pool, prompt)), None)
+        decision = decide(
+            self._pd,
+            len(prompt.ids),
+            remote and remote.worker.queued_prompt_tokens,
+            local.worker.queued_prompt_tokens if local else 0,
+            remote.cached_tokens if remote else 0,
+            local.cached_tokens if local else 0,
+        )
+        self._metrics.pd_decisions.labels(decision.path, decision.reason).inc()
+        return decision
+
+    def pick(self, pool: WorkerPool, prompt: Prompt) -> WorkerHandle:
+        """The pool's best worker for this prompt; NoWorkerError when none is ready."""
+        ranked = self.ranked(pool, prompt)
+        if not ranked:
+            raise NoWorkerError(f"no ready {pool.role} worker")
+        self.chosen(pool.role, ranked[0])
+        return ranked[0].worker
+
+    def chosen(self, role: str, candidate: Candidate) -> None:
+        """Counts why a worker of `role` was chosen (prefix hit, no hit, or load routing)."""
+        reason = (
+            "load"
+            if self.routing.policy == "load"
+            else "prefix_hit"
+            if candidate.cached_tokens
+            else "no_hit"
+        )
+        self._metrics.routing_decisions.labels(role, reason).inc()
