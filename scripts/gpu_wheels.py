@@ -1,0 +1,278 @@
+"""What the GPU machine lacks for the serving check (issue #32), brought in parts small enough to carry.
+
+The device image has torch, triton, transformers, msgpack, uvloop, prometheus-client and nvidia-ml-py,
+but no Ray, no gguf, no grpcio-health-checking/-reflection, and gRPC/protobuf of unknown versions
+(our generated stubs need protobuf 7 and grpcio >= 1.85). Nothing there reaches a registry, and one
+`run` carries at most 64 MiB with the working tree (~9 MiB), so here we build, in `.gpu_wheels/`
+(ignored by git):
+
+    part-1/  part-2/  part-3/      each at most --part-mib (50 MiB), MANIFEST.json in every one
+    ├ the default model's GGUF (98 MB, SmolLM2-135M-Instruct.Q4_1.gguf from .venv), split
+    ├ wheels for any Python: gguf, jsonschema and its needs, protobuf (abi3), grpcio-health/-reflection
+    └ wheels for the device's Python (last, so only the last part depends on it): Ray as a slimmed
+      tarball (ray/jars, rllib, data, serve, train, tune, llm dropped: 79 MB wheel -> 25 MB .tar.xz),
+      grpcio, rpds-py
+
+Here (about 5 minutes, mostly pip's download of Ray and xz):
+
+    flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/gpu_wheels.py build [--python-version 3.12]
+
+On the device, each call copies its part out of the repo into /tmp/pdserve-gpu/parts (a warm machine
+keeps it between calls, and the carried folders too); `install` checks every file's sha256, joins the
+pieces, installs into /tmp/pdserve-gpu/site and writes /tmp/pdserve-gpu/env.sh (PYTHONPATH, and
+PDSERVE_DEFAULT_MODEL for the GGUF). scripts/gpu_serve_check.py runs `install` itself when Ray is
+missing, so the device calls are (see its docstring):
+
+    call 1  carry [.gpu_wheels/part-1]  python3 scripts/gpu_wheels.py stage 1
+    call 2  carry [.gpu_wheels/part-2]  python3 scripts/gpu_wheels.py stage 2
+    call 3  carry [.gpu_wheels/part-3, pdserve_proto]  python3 scripts/gpu_wheels.py stage 3 && ...
+
+`stage` prints the device's `python -V`: a Python other than the one built for needs a new build here
+(`--python-version`) before the next machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = Path(os.environ.get("PDSERVE_GPU_WHEELS_DIR", ROOT / ".gpu_wheels"))
+DEVICE_DIR = Path(os.environ.get("PDSERVE_GPU_DIR", "/tmp/pdserve-gpu"))
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RAY_VERSION = "2.60.0"
+# Ray's packages that serving never imports (Java jars, RL, data, serve, train, tune, llm)
+RAY_DROPPED = ("jars", "rllib", "data", "serve", "train", "tune", "llm")
+# any Python (pure or abi3); versions = the project's .venv, so the stubs and Ray agree with our tests
+PORTABLE = (
+    "gguf==0.19.0",
+    "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1",
+    "referencing==0.37.0",
+    "grpcio-health-checking==1.85.1",
+    "grpcio-reflection==1.85.1",
+    "protobuf==7.36.2",
+)
+PER_PYTHON = ("grpcio==1.85.3", "rpds-py==2026.9.1")  # compiled for one Python
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _pip_download(specs, dest: Path, python_version: str | None) -> list[Path]:
+    """The wheels of `specs` (name==version) in `dest`, downloaded unless already there."""
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    if python_version:
+        command += ["--python-version", python_version, "--implementation", "cp"]
+        command += [arg for p in PLATFORMS for arg in ("--platform", p)]
+    subprocess.run([*command, "-d", str(dest), *specs], check=True)
+    found = []
+    for spec in specs:
+        name, version = spec.split("==")
+        prefix = f"{name.replace('-', '_').lower()}-{version}-"
+        tag = f"cp{python_version.replace('.', '')}" if python_version else ""
+        matches = [
+            p
+            for p in dest.glob("*.whl")
+            if p.name.lower().startswith(prefix)
+            and (tag in p.name or "-none-" in p.name or "abi3" in p.name)
+        ]
+        if len(matches) != 1:
+            raise SystemExit(f"{spec}: expected one wheel in {dest}, found {matches}")
+        found.append(matches[0])
+    return found
+
+
+def _slim_ray(wheel: Path, out: Path) -> None:
+    """Ray's wheel without what serving never imports, as a .tar.xz to unpack into site-packages."""
+    with tempfile.TemporaryDirectory() as scratch:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(scratch)
+            for info in z.infolist():  # extractall drops the modes (raylet, gcs_server must run)
+                mode = (info.external_attr >> 16) & 0o777
+                if mode and not info.is_dir():
+                    Path(scratch, info.filename).chmod(mode)
+        for name in RAY_DROPPED:
+            shutil.rmtree(Path(scratch, "ray", name), ignore_errors=True)
+        tar = subprocess.Popen(
+            ["tar", "cf", "-", "-C", scratch, "."], stdout=subprocess.PIPE
+        )  # xz -T2: minutes, not ten
+        partial = out.with_suffix(".partial")
+        with open(partial, "wb") as f:
+            subprocess.run(["xz", "-T2", "-9"], stdin=tar.stdout, stdout=f, check=True)
+        if tar.wait() != 0:
+            raise RuntimeError("tar of the slimmed Ray failed")
+        partial.rename(out)  # whole or not at all: a rebuild reuses it
+
+
+def _model_file() -> Path:
+    sys.path.insert(0, str(ROOT))
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+def build(python_version: str, part_mib: int) -> None:
+    """Downloads and packs everything into `.gpu_wheels/part-N/`, python-specific files last."""
+    for old in OUT_DIR.glob("part-*"):
+        shutil.rmtree(old)
+    downloads = OUT_DIR / "downloads"  # kept: a rebuild downloads nothing twice
+    downloads.mkdir(parents=True, exist_ok=True)
+    files = [_model_file()]
+    files += _pip_download(PORTABLE, downloads, python_version)
+    ray_wheel = _pip_download([f"ray=={RAY_VERSION}"], downloads, python_version)[0]
+    slim = downloads / f"ray-{RAY_VERSION}-{ray_wheel.name.split('-')[2]}-slim.tar.xz"
+    if not slim.is_file():
+        _slim_ray(ray_wheel, slim)
+    files += [slim, *_pip_download(PER_PYTHON, downloads, python_version)]
+    part_bytes = part_mib << 20
+    parts: list[list[dict]] = [[]]
+    used = 0
+    for path in files:
+        size = path.stat().st_size
+        if used + size > part_bytes and size <= part_bytes and used:  # whole, in the next part
+            parts.append([])
+            used = 0
+        offset = 0
+        while offset < size:
+            if used == part_bytes:
+                parts.append([])
+                used = 0
+            length = min(size - offset, part_bytes - used)
+            parts[-1].append(
+                {"file": path.name, "offset": offset, "length": length, "source": str(path)}
+            )
+            offset += length
+            used += length
+    manifest = {
+        "python_version": python_version,
+        "ray": RAY_VERSION,
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+        "parts": [
+            [{k: v for k, v in piece.items() if k != "source"} for piece in part] for part in parts
+        ],
+    }
+    for number, part in enumerate(parts, start=1):
+        folder = OUT_DIR / f"part-{number}"
+        folder.mkdir()
+        for piece in part:
+            with open(piece["source"], "rb") as src:
+                src.seek(piece["offset"])
+                data = src.read(piece["length"])
+            (folder / f"{piece['file']}.{piece['offset']:012d}").write_bytes(data)
+        (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+    for number in range(1, len(parts) + 1):
+        folder = OUT_DIR / f"part-{number}"
+        size = sum(f.stat().st_size for f in folder.iterdir())
+        print(f"{folder}: {size / 2**20:.1f} MiB")
+    print(f"{len(parts)} parts for CPython {python_version}; carry one per device call")
+
+
+def stage(number: int) -> None:
+    """Device side: copies `.gpu_wheels/part-N` out of the repo, where later calls find it."""
+    print(
+        f"device: {platform.python_implementation()} {platform.python_version()} ({sys.executable})"
+    )
+    source = OUT_DIR / f"part-{number}"
+    if not source.is_dir():
+        raise SystemExit(f"{source} is missing: carry .gpu_wheels/part-{number} in this call")
+    manifest = json.loads((source / "MANIFEST.json").read_text())
+    if manifest["python_version"] != f"{sys.version_info.major}.{sys.version_info.minor}":
+        print(
+            f"WARNING: the parts were built for Python {manifest['python_version']}: rebuild here with "
+            f"--python-version {sys.version_info.major}.{sys.version_info.minor}"
+        )
+    target = DEVICE_DIR / "parts"
+    target.mkdir(parents=True, exist_ok=True)
+    for piece in source.iterdir():
+        shutil.copyfile(piece, target / piece.name)
+    have = sorted(p.name for p in target.iterdir() if p.name != "MANIFEST.json")
+    print(f"staged part {number} of {len(manifest['parts'])}: {len(have)} pieces in {target}")
+
+
+def _find_piece(name: str) -> Path:
+    for folder in [DEVICE_DIR / "parts", *sorted(OUT_DIR.glob("part-*"))]:
+        if (folder / name).is_file():
+            return folder / name
+    raise SystemExit(f"piece {name} is in no staged part: stage every part first (MANIFEST.json)")
+
+
+def install() -> Path:
+    """Device side: joins and checks the pieces, installs into DEVICE_DIR/site; returns env.sh."""
+    manifests = [DEVICE_DIR / "parts" / "MANIFEST.json", *OUT_DIR.glob("part-*/MANIFEST.json")]
+    manifest = json.loads(next(m for m in manifests if m.is_file()).read_text())
+    files_dir, site = DEVICE_DIR / "files", DEVICE_DIR / "site"
+    files_dir.mkdir(parents=True, exist_ok=True)
+    for name, expected in manifest["files"].items():
+        joined = files_dir / name
+        if joined.is_file() and joined.stat().st_size == expected["bytes"]:
+            continue
+        with open(joined, "wb") as out:
+            for part in manifest["parts"]:
+                for piece in part:
+                    if piece["file"] == name:
+                        out.write(_find_piece(f"{name}.{piece['offset']:012d}").read_bytes())
+        if _sha256(joined) != expected["sha256"]:
+            joined.unlink()
+            raise SystemExit(f"{name}: sha256 differs from the manifest (a part got corrupted)")
+    wheels = sorted(str(p) for p in files_dir.glob("*.whl"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+        + ["--no-cache-dir", "--upgrade", "--target", str(site), *wheels],
+        check=True,
+    )
+    for slim in files_dir.glob("ray-*-slim.tar.xz"):
+        with tarfile.open(slim) as tar:
+            tar.extractall(site, filter="fully_trusted")
+    env = DEVICE_DIR / "env.sh"
+    env.write_text(
+        f"export PYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+        f"export PDSERVE_DEFAULT_MODEL={files_dir / MODEL_FILE}\n"
+    )
+    print(f"installed {len(wheels)} wheels and Ray into {site}; source {env}")
+    return env
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="here: download and pack into .gpu_wheels/part-N")
+    b.add_argument("--python-version", default="3.12", help="the device's (3.12.3 seen in 2026-11)")
+    b.add_argument("--part-mib", type=int, default=50, help="with the ~9 MiB tree, under 64 MiB")
+    s = sub.add_parser("stage", help="device: keep part N outside the repo")
+    s.add_argument("number", type=int)
+    sub.add_parser("install", help="device: join, check, install; writes env.sh")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        build(args.python_version, args.part_mib)
+    elif args.command == "stage":
+        stage(args.number)
+    else:
+        install()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
