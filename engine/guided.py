@@ -143,5 +143,5 @@ def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
 
 
 def _first_line(message: str) -> str:
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    return " ".join(lines[:3])[:500] if lines else "invalid grammar"
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip(" ^")]
+    return " ".join(lines)[:500] if lines else "invalid grammar"
