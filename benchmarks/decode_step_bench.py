@@ -7,7 +7,10 @@ kernel against the torch path (gather + SDPA); `--compare packing`: fp32 decode 
 oneDNN-packed weights (engine/cpu_packing.py, AVX2 machines) against the transposed ones alone;
 `--compare mapped` (fp32): the transposed weights memory-mapped from the disk cache, as workers serve
 them, against copies of them in the process's own memory; `--compare logprobs`: every sequence asking
-for logprobs with `--top-logprobs` alternatives (20, the most a request may ask) against none asking.
+for logprobs with `--top-logprobs` alternatives (20, the most a request may ask) against none asking;
+`--compare guided`: every sequence under a JSON schema's grammar (engine/guided.py: its token mask
+computed and applied at each step; a fresh matcher each round, so answers stay mid-JSON) against none,
+and the mask computation's own time per step.
 
     .venv/bin/python -m benchmarks.decode_step_bench [--threads 1] [--context 540] [--batches 1,8,16]
 """
@@ -15,7 +18,20 @@ for logprobs with `--top-logprobs` alternatives (20, the most a request may ask)
 from __future__ import annotations
 
 import argparse
+import json
 import time
+
+# Mid-JSON through the timed steps: strings and arrays the model keeps filling.
+_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "cities": {"type": "array", "items": {"type": "string"}},
+        "notes": {"type": "string"},
+    },
+    "required": ["name", "age", "cities", "notes"],
+}
 
 
 def main() -> None:
@@ -27,7 +43,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="alternations of the two paths")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per path per round")
     parser.add_argument(
-        "--compare", choices=["kernel", "packing", "mapped", "logprobs"], default="kernel"
+        "--compare",
+        choices=["kernel", "packing", "mapped", "logprobs", "guided"],
+        default="kernel",
     )
     parser.add_argument(
         "--top-logprobs", type=int, default=20, help="--compare logprobs: alternatives per token"
@@ -41,7 +59,7 @@ def main() -> None:
     from engine.cpu_packing import TransposedLinear
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.paged_attention import load_kernel
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import GuidedDecoding, SamplingParams
 
     torch.set_num_threads(args.threads)
     if args.compare == "mapped":
@@ -70,7 +88,25 @@ def main() -> None:
     mapped = [m.weight_t for m in layers]
     copies = [w.clone() for w in mapped] if args.compare == "mapped" else []
 
+    guided = GuidedDecoding(json_schema=json.dumps(_SCHEMA))
+    mask_s = []  # the guided rows' mask computation, per step
+
     def use(on: bool) -> None:
+        if args.compare == "guided":
+            for seq in engine.scheduler.running:
+                seq.params = dataclasses.replace(seq.params, guided=guided if on else None)
+                seq.matcher = engine._matcher(seq.params, []) if on else None
+            if on and not hasattr(engine._masks, "timed"):
+                compute = engine._masks.compute
+
+                def timed(matchers):
+                    started = time.perf_counter()
+                    allowed = compute(matchers)
+                    mask_s.append(time.perf_counter() - started)
+                    return allowed
+
+                engine._masks.compute, engine._masks.timed = timed, True
+            return
         if args.compare == "logprobs":
             for seq in engine.scheduler.running:
                 seq.params = dataclasses.replace(
@@ -92,6 +128,7 @@ def main() -> None:
         "packing": ("transposed", "packed"),
         "mapped": ("own memory", "mapped"),
         "logprobs": ("no logprobs", "logprobs"),
+        "guided": ("free", "guided"),
     }[args.compare]
     paths = {before: False, after: True}
     generator = torch.Generator().manual_seed(0)
@@ -113,6 +150,7 @@ def main() -> None:
             engine.step()
         engine.step()
         samples = {name: [] for name in paths}
+        mask_s.clear()
         for _ in range(args.rounds):
             for name, path in paths.items():
                 use(path)
@@ -124,9 +162,12 @@ def main() -> None:
         medians = {name: sorted(values)[len(values) // 2] * 1e3 for name, values in samples.items()}
         change = (
             ""
-            if args.compare != "logprobs"
+            if args.compare not in ("logprobs", "guided")
             else f" (cost {medians[after] / medians[before] - 1:+.1%})"
         )
+        if mask_s:
+            mask_ms = sorted(mask_s)[len(mask_s) // 2] * 1e3
+            change += f", mask computation {mask_ms:.2f} ms ({mask_ms / medians[before]:.1%})"
         print(
             f"  batch {batch:3d}: {before} {medians[before]:7.1f} ms, {after} {medians[after]:7.1f} ms, "
             f"{medians[before] / medians[after]:.2f}x{change}"
