@@ -197,20 +197,25 @@ def test_engine_uses_the_kernel_and_greedy_output_equals_the_torch_path(kernel, 
     assert with_kernel == without
 
 
+_PREFILL_CASES = [(1, 0), (127, 0), (128, 0), (300, 0), (1, 16), (300, 16), (128, 128), (77, 200)]
+
+
 @pytest.mark.parametrize(
-    "num_tokens,num_cached",
-    [(1, 0), (127, 0), (128, 0), (300, 0), (1, 16), (300, 16), (128, 128), (77, 200)],
+    "kernel,num_tokens,num_cached",
+    [("blocked", n, c) for n, c in _PREFILL_CASES]
+    # taken only after context: SDPA's own causal kernel otherwise
+    + [("flash_after_context", n, c) for n, c in _PREFILL_CASES if c],
 )
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "h{}kv{}d{}".format(*s[:3]))
-def test_blocked_prefill_attention_matches_causal_sdpa(num_tokens, num_cached, shape):
+def test_bf16_prefill_attention_matches_causal_sdpa(kernel, num_tokens, num_cached, shape):
     """New tokens after `num_cached` context tokens (a cached prefix, an earlier chunk) see all of the context
-    and, among themselves, those before them."""
+    and, among themselves, those before them: each bf16 CPU kernel, whichever this CPU picks."""
     num_heads, num_kv_heads, head_dim, _ = shape
     g = torch.Generator().manual_seed(num_tokens + num_cached)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g).bfloat16()
     k = torch.randn(num_cached + num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
     v = torch.randn(num_cached + num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
-    got = _attention(num_heads, num_kv_heads, head_dim)._blocked_causal_attention(q, k, v)
+    got = getattr(_attention(num_heads, num_kv_heads, head_dim), f"_{kernel}_attention")(q, k, v)
     visible = torch.arange(num_cached + num_tokens).unsqueeze(0) <= torch.arange(
         num_cached, num_cached + num_tokens
     ).unsqueeze(1)
