@@ -45,7 +45,9 @@ def grammar_of(spec: GuidedDecoding) -> str:
             raise GrammarError("the JSON schema must be a JSON object")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        except ValueError as error:
+        except (
+            Exception
+        ) as error:  # ValueError, or what the library raises on values it cannot read
             raise GrammarError(f"the JSON schema cannot be compiled: {error}") from error
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
@@ -70,9 +72,13 @@ class GrammarCompiler:
 
     def check(self, spec: GuidedDecoding) -> None:
         """Raises GrammarError naming the problem when the spec cannot guide decoding."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar_of(spec), self.ll_tokenizer
-        )
+        grammar = grammar_of(spec)
+        try:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.ll_tokenizer
+            )
+        except Exception as error:  # the library refuses what it cannot even read, e.g. a NaN
+            raise GrammarError(f"the grammar cannot be compiled: {error}") from error
         if is_error:
             raise GrammarError(_first_line(messages[0]))
 
