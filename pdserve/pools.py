@@ -148,7 +148,7 @@ class PoolManager:
             failures = [result for result in watched if isinstance(result, BaseException)]
             if failures:
                 for handle in handles:
-                    handle.state = "stopping"
+                    handle.stop()
                     self.router.unwatch(handle, "not started")
                     ray.kill(handle.actor)
                 raise WorkerStartError(
@@ -239,7 +239,7 @@ class PoolManager:
             if target > len(ready):
                 await self.add_workers(role, target - len(ready))
             for worker in sorted(ready, key=lambda w: w.in_flight)[: max(0, len(ready) - target)]:
-                worker.state = "draining"  # the router stops picking it now
+                worker.drain()  # the router stops picking it now
                 task = asyncio.get_running_loop().create_task(self._drain_and_stop(role, worker))
                 self._draining.add(task)
                 task.add_done_callback(self._draining.discard)
@@ -262,7 +262,7 @@ class PoolManager:
                 )
         except Exception as error:  # it died while draining: nothing left to free
             log.warning("%s died while draining: %s", worker.worker_id, error)
-        worker.state = "stopping"
+        worker.stop()
         ray.kill(worker.actor)
         if worker in self._pool(role).workers:  # unless the healer already removed it as dead
             self._pool(role).workers.remove(worker)
@@ -289,8 +289,8 @@ class PoolManager:
                 )
                 for worker, answer in zip(ready, answers):
                     if isinstance(answer, BaseException) and is_actor_death(answer):
-                        worker.state = "dead"
-                for worker in [w for w in pool.workers if w.state == "dead"]:
+                        worker.mark_dead()
+                for worker in [w for w in pool.workers if w.is_dead]:
                     pool.workers.remove(worker)
                     self.router.unwatch(worker, "found dead")  # its requests fail over now
                     try:  # dead, or alive but cut off from the router: its blocks go with it
@@ -323,7 +323,7 @@ class PoolManager:
             task.cancel()
         for pool in (self.router.prefill_pool, self.router.decode_pool):
             for worker in pool.workers:
-                worker.state = "stopping"
+                worker.stop()
                 self.router.unwatch(worker, "the system is stopping")
                 ray.kill(worker.actor)
 

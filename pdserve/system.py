@@ -347,7 +347,7 @@ class System:
         rows = [
             WorkerRow(w.worker_id, w.info.role, "dead", None)
             if isinstance(load, BaseException)
-            else WorkerRow(w.worker_id, w.info.role, w.state, load)
+            else WorkerRow(w.worker_id, w.info.role, w.state.value, load)
             for w, load in await self.worker_loads()
         ]
         stats = self.router.stats()
@@ -381,7 +381,7 @@ class System:
                 worker_id=worker.worker_id,
                 role=worker.info.role,
                 node=worker.info.node,
-                state=worker.state if not failed else "dead",
+                state=worker.state.value if not failed else "dead",
                 threads=worker.info.num_threads,
                 cpus=self.config.worker_cpus,
                 kv_capacity_tokens=worker.info.kv_blocks_total * self.config.block_size_tokens,

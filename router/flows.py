@@ -68,7 +68,7 @@ class Flows:
             prefill = placement.pick(placement.prefill_pool, prompt)
             queued = counts.enter_context(Count(prefill, "queued_prompt_tokens", len(prompt.ids)))
             decode, reused_blocks = await self._reservation.reserve(record, wid, prompt)
-            if prefill.state != "ready":  # it began draining or died while we reserved: another one
+            if not prefill.is_ready:  # it began draining or died while we reserved: another one
                 queued.release()
                 try:
                     prefill = placement.pick(placement.prefill_pool, prompt)

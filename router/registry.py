@@ -120,12 +120,12 @@ class Registry:
         wid = route.worker_request_id
         self._streams.close(wid)
         if route.prefill is not None:
-            if not route.prefill_released and route.prefill.state != "dead":
+            if not route.prefill_released and not route.prefill.is_dead:
                 self._client.abort(route.prefill, wid)
         for count in (route.prefill_count, route.decode_count):
             if count is not None:
                 count.release()
-        if not route.decode_finished and route.decode.state != "dead":
+        if not route.decode_finished and not route.decode.is_dead:
             self._client.abort(route.decode, wid)
 
     def abort(self, request_id: str) -> bool:

@@ -67,7 +67,7 @@ class DecodeReservation:
                     raise NoWorkerError(f"no healthy {pool.role} worker")
                 for candidate in self._placement.ranked(pool, prompt):
                     decode = candidate.worker
-                    if decode.state != "ready":  # it stopped being ready while we tried another
+                    if not decode.is_ready:  # it stopped being ready while we tried another
                         continue
                     with Count(decode, "reserving"):  # a drain waits for it
                         reused = await self._try(record, decode, request)
@@ -96,7 +96,7 @@ class DecodeReservation:
         """Leading blocks reused on `decode`, or None: no room there now, it died, or it began draining."""
         try:
             reused = await self._client.reserve(decode, record, request)
-            if reused is None or decode.state == "ready":
+            if reused is None or decode.is_ready:
                 return reused
             # A scale-down began draining it while we reserved: hand the blocks back before the drain
             # looks (it waits for `reserving`), and go elsewhere.
@@ -110,5 +110,5 @@ class DecodeReservation:
         except Exception as error:
             if not is_actor_death(error):
                 raise
-            decode.state = "dead"  # skipped from now on; the pool manager replaces it
+            decode.mark_dead()  # skipped from now on; the pool manager replaces it
             return None

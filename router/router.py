@@ -268,7 +268,7 @@ class Router:
                     yield item
                 return
             except WorkerLost as lost:
-                lost.worker.state = "dead"
+                lost.worker.mark_dead()
                 self._registry.settle(record)
                 attempt += 1
                 if attempt > self.config.max_migrations:

@@ -31,7 +31,7 @@ from protocol.token_stream import (
 )
 from router.failures import WorkerError, WorkerLost
 from router.kv_index import PrefixIndex
-from router.pool import WorkerHandle
+from router.pool import WorkerHandle, WorkerState
 
 log = logging.getLogger("router.router")
 
@@ -117,11 +117,11 @@ class TokenStreams:
             del self._subscriptions[worker.worker_id]
             self.kv_index.forget(worker.worker_id)
         self._take(subscription)  # what it sent before is delivered
-        if worker.state != "stopping":
+        if worker.state is not WorkerState.STOPPING:
             log.warning(
                 "decode worker %s is gone (%s); failing its requests", worker.worker_id, error
             )
-        worker.state = "dead"
+        worker.mark_dead()
         for holder, inbox in list(self._inboxes.values()):
             if holder is worker:
                 inbox.put_nowait(WorkerLost(worker, error))
