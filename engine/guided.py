@@ -1,6 +1,6 @@
 """Structured outputs: a request's `GuidedDecoding` (a JSON schema, a regex or a list of choices) compiled
 by llguidance into a grammar over our own vocabulary, one matcher per request, and the batch's token
-masks. No torch: the router checks specs with it; `engine.sampling` applies the masks to the logits.
+masks. No torch: the router checks specs with it (`check`); `engine.sampling` applies the masks.
 
 llguidance's view of the vocabulary is built from our `tokenizers.Tokenizer` (its JSON form, as the
 library's own HF helper does), so nothing is read from a hub. A matcher allows EOS once the grammar
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import weakref
 from typing import Optional, Sequence
 
 import llguidance
@@ -57,6 +56,18 @@ def grammar_of(spec: GuidedDecoding) -> str:
     )
 
 
+def check(spec: GuidedDecoding) -> None:
+    """Raises GrammarError naming the problem when the spec cannot guide decoding. Checked without a
+    vocabulary (a fraction of a millisecond; the same errors as with one), so the router builds none."""
+    grammar = grammar_of(spec)
+    try:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    except Exception as error:  # the library refuses what it cannot even read, e.g. a NaN
+        raise GrammarError(f"the grammar cannot be compiled: {error}") from error
+    if is_error:
+        raise GrammarError(_first_line(messages[0]))
+
+
 class GrammarCompiler:
     """llguidance's tokenizer for one vocabulary (built once: about 0.25 s for 49k tokens) and the
     matchers of requests. `vocab_size` is the model's (its logits may be wider than the tokenizer)."""
@@ -69,18 +80,6 @@ class GrammarCompiler:
             n_vocab=self.vocab_size,
             eos_token=list(self.eos_token_ids) or None,
         )
-
-    def check(self, spec: GuidedDecoding) -> None:
-        """Raises GrammarError naming the problem when the spec cannot guide decoding."""
-        grammar = grammar_of(spec)
-        try:
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-                grammar, self.ll_tokenizer
-            )
-        except Exception as error:  # the library refuses what it cannot even read, e.g. a NaN
-            raise GrammarError(f"the grammar cannot be compiled: {error}") from error
-        if is_error:
-            raise GrammarError(_first_line(messages[0]))
 
     def matcher(
         self, spec: GuidedDecoding, output_so_far: Sequence[int] = ()
@@ -135,17 +134,6 @@ class BatchMasks:
 def consume(matcher: llguidance.LLMatcher, token_id: int) -> None:
     if not matcher.consume_token(token_id) and not matcher.is_stopped():
         log.warning("grammar matcher refused token %d: %s", token_id, matcher.get_error())
-
-
-_compilers: "weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler]" = weakref.WeakKeyDictionary()
-
-
-def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
-    """The router's compiler for its tokenizer, built on first use and kept as long as the tokenizer."""
-    compiler = _compilers.get(tokenizer)
-    if compiler is None:
-        compiler = _compilers[tokenizer] = GrammarCompiler(tokenizer)
-    return compiler
 
 
 def _first_line(message: str) -> str:

@@ -82,6 +82,8 @@ def read_tools(body: dict, invalid: Callable[[str, str], Exception]) -> ToolRequ
             for name, parameters in functions.items()
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if body.get("parallel_tool_calls") is False:
+            schema["maxItems"] = 1
         return ToolRequest(tools, ToolChoice("required"), schema)
     name = (
         choice.get("function", {}).get("name")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from engine.guided import GrammarError, compiler_for
+from engine.guided import GrammarError, check as check_grammar
 from engine.sampling_params import GuidedDecoding, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -85,7 +85,7 @@ def validate(request, tokenizer: Tokenizer, limits: ValidationLimits) -> Validat
     params = _sampling_params(request.sampling, limits)
     if request.sampling.HasField("guided"):
         params = dataclasses.replace(
-            params, guided=_guided(request.sampling.guided, tokenizer, len(prompt_ids))
+            params, guided=_guided(request.sampling.guided, len(prompt_ids))
         )
     room = limits.max_context_tokens - len(prompt_ids)
     if params.max_tokens > room:
@@ -197,7 +197,7 @@ def _template_message(message, index: int, tokenizer: Tokenizer) -> dict:
     return rendered
 
 
-def _guided(guided, tokenizer: Tokenizer, prompt_tokens: int) -> GuidedDecoding:
+def _guided(guided, prompt_tokens: int) -> GuidedDecoding:
     kind = guided.WhichOneof("constraint")
     field = f"sampling.guided.{kind or 'constraint'}"
     try:
@@ -209,7 +209,7 @@ def _guided(guided, tokenizer: Tokenizer, prompt_tokens: int) -> GuidedDecoding:
             choice=tuple(guided.choice.choices),
             prompt_tokens=prompt_tokens,
         )
-        compiler_for(tokenizer).check(spec)
+        check_grammar(spec)
     except (ValueError, GrammarError) as error:
         raise RequestValidationError(field, str(error)) from error
     return spec
