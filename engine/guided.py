@@ -65,7 +65,7 @@ def check(spec: GuidedDecoding) -> None:
     except Exception as error:  # the library refuses what it cannot even read, e.g. a NaN
         raise GrammarError(f"the grammar cannot be compiled: {error}") from error
     if is_error:
-        raise GrammarError(_first_line(messages[0]))
+        raise GrammarError(_message(messages[0]))
 
 
 class GrammarCompiler:
@@ -87,11 +87,11 @@ class GrammarCompiler:
         """A fresh matcher advanced over tokens already output (a migrated request's)."""
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_of(spec), log_level=0)
         if matcher.is_error():
-            raise GrammarError(_first_line(matcher.get_error()))
+            raise GrammarError(_message(matcher.get_error()))
         if output_so_far and not matcher.consume_tokens(list(output_so_far)):
             raise GrammarError(
                 f"the {len(output_so_far)} tokens already output do not match the grammar: "
-                f"{_first_line(matcher.get_error())}"
+                f"{_message(matcher.get_error())}"
             )
         return matcher
 
@@ -136,6 +136,6 @@ def consume(matcher: llguidance.LLMatcher, token_id: int) -> None:
         log.warning("grammar matcher refused token %d: %s", token_id, matcher.get_error())
 
 
-def _first_line(message: str) -> str:
+def _message(message: str) -> str:
     lines = [line.strip() for line in message.strip().splitlines() if line.strip(" ^")]
     return " ".join(lines)[:500] if lines else "invalid grammar"
