@@ -7,6 +7,8 @@ which maps the object read-only (`ray.get` of a numpy array is zero-copy), check
 it. The sender keeps the ObjectRefs alive with its blocks until ack, abort or lease expiry; if the
 sender's process dies, its objects die with it and the receiver's `ray.get` fails the request.
 Acks and aborts travel through the caller too: ready on `receiver.poll()` -> `sender.acknowledge`.
+Between two workers on one GPU, `PDSERVE_KV_CUDA_IPC=1` keeps the payload on the device
+(kvtransfer/cuda_ipc.py): the delivery is then a `CudaIpcKVDelivery`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import ray
+import torch
 
+from kvtransfer import cuda_ipc
 from kvtransfer.base import DEFAULT_LEASE_S, KVReceiver, KVSender
+from kvtransfer.buffers import BufferPool
 from kvtransfer.errors import TransferAbortedError
 from kvtransfer.wire import KVGroupHeader, as_bytes_view
 
@@ -30,6 +35,13 @@ class RayKVDelivery:
 
 
 class RayKVSender(KVSender):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        device = self.cache.kv.device
+        self._ipc_device_uuid = cuda_ipc.device_uuid(device) if cuda_ipc.enabled(device) else None
+        if self._ipc_device_uuid is not None:  # groups are gathered, and stay, on the device
+            self._staging = BufferPool(device=device)
+
     def start(
         self,
         request_id: str,
@@ -42,6 +54,10 @@ class RayKVSender(KVSender):
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> RayKVDelivery:
         held = self.ledger.get(request_id)
         header, data, buffer = self._export(held, layers)
+        if self._ipc_device_uuid is not None:  # the buffer is the payload: kept until released
+            held.transport_state.append(buffer)
+            handle = cuda_ipc.share(buffer[: header.payload_bytes])
+            return cuda_ipc.CudaIpcKVDelivery(header.encode(), handle, self._ipc_device_uuid)
         try:
             ref = ray.put(as_bytes_view(data))
         finally:
@@ -49,15 +65,34 @@ class RayKVSender(KVSender):
         held.transport_state.append(ref)  # keeps the object alive until ack / abort / lease expiry
         return RayKVDelivery(header.encode(), ref)
 
+    def _checksum(self, data) -> int:
+        if self._ipc_device_uuid is None:
+            return super()._checksum(data)
+        from kvtransfer.rdt_transport import device_checksum  # waits for the gather: int()
+
+        return device_checksum(data.reshape(-1).view(torch.uint8))
+
+    def _drop(self, held, aborted: bool) -> None:
+        if held is None or self._ipc_device_uuid is None:
+            return
+        for buffer in held.transport_state:  # a receiver still reading one fails its checksum
+            self._staging.release(buffer)
+        held.transport_state.clear()
+
 
 class RayKVReceiver(KVReceiver):
     def __init__(self, cache, allocator, get_timeout_s: float = DEFAULT_LEASE_S):
         super().__init__(cache, allocator)
         self.get_timeout_s = get_timeout_s
+        self._device_staging: Optional[BufferPool] = None  # CUDA IPC deliveries land here first
 
     def deliver(self, delivery: RayKVDelivery) -> bool:
         """Install one routed layer group; True once the request has all its layers. Raises a
         `KVTransferError` (and fails the request, freed at the next `poll`) on any problem."""
+        if isinstance(delivery, cuda_ipc.CudaIpcKVDelivery):
+            return self._install_routed(
+                delivery.header, lambda header: self._install_shared(header, delivery)
+            )
         return self._install_routed(
             delivery.header, lambda header: self.install(header, self._fetch(delivery, header))
         )
@@ -71,3 +106,31 @@ class RayKVReceiver(KVReceiver):
                 f"{type(error).__name__}",
                 header.request_id,
             ) from error
+
+    def _install_shared(self, header: KVGroupHeader, delivery: cuda_ipc.CudaIpcKVDelivery) -> bool:
+        """A group in the sender's device memory: copied here, verified on the copy, installed."""
+        from kvtransfer.rdt_transport import device_checksum
+
+        device = self.cache.kv.device
+        mine = cuda_ipc.device_uuid(device)
+        if mine is None or mine != delivery.device_uuid:
+            raise TransferAbortedError(
+                f"KV of request {header.request_id!r} was shared by CUDA IPC on GPU "
+                f"{delivery.device_uuid}, but this receiver's cache is on {mine or device}: "
+                f"{cuda_ipc.ENV}=1 needs both workers on one GPU",
+                header.request_id,
+            )
+        if self._device_staging is None:
+            self._device_staging = BufferPool(device=device)
+        buffer = self._device_staging.acquire(header.payload_bytes)
+        try:
+            local = buffer[: header.payload_bytes]
+            shared = cuda_ipc.open_shared(delivery.handle, device)
+            local.copy_(shared[: header.payload_bytes])
+            del shared
+            ready = self.install(header, local, payload_checksum=device_checksum(local))
+            if device.type == "cuda":  # installed before the buffer is reused or the sender acked
+                torch.cuda.current_stream(device).synchronize()
+            return ready
+        finally:
+            self._device_staging.release(buffer)

@@ -5,37 +5,40 @@ handoff) on one GPU, driven by `pdserve bench`, disaggregated against colocated 
     .venv/bin/python scripts/gpu_serve_check.py --device cpu --quick  # the same path in seconds (CI)
 
 For each model section (`8b`: the Llama-3-8B shape with random weights in bf16, 1024 -> 128 tokens;
-`default`: the default model in fp32, whose greedy tokens through the system must equal the
-single-process engine's) it starts 1 prefill + 1 decode worker through pdserve.system.start_system
-(pd_policy remote, so every request hands its KV off), then colocated x2; warms each up, then runs
-`pdserve bench` (a subprocess, gRPC) at three request rates. Per rate: TTFT / TPOT / ITL percentiles,
-output tok/s, goodput (TTFT <= 500 ms, TPOT <= 50 ms) and, from the router's record of each finished
-request, the KV handoff (bytes, ms, share of that request's TTFT). Writes serve_check_<device>.json
-and .md to --out-dir (benchmarks/results/gpu) and prints the figures against the targets: TTFT p50 <
-500 ms at 1k-token prompts under load, TPOT p50 < 50 ms, >= 1000 output tok/s, handoff <= 5 % of TTFT.
+`8b_ipc`, cuda only: the same, disaggregated, its KV handed off through CUDA IPC on the one GPU
+(kvtransfer/cuda_ipc.py) instead of host staging; `default`: the default model in fp32, whose greedy
+tokens through the system must equal the single-process engine's) it starts 1 prefill + 1 decode
+worker through pdserve.system.start_system (pd_policy remote, so every request hands its KV off),
+then colocated x2; warms each up, then runs `pdserve bench` (a subprocess, gRPC; gpu_serve_bench.py)
+at three request rates. Per rate: TTFT / TPOT / ITL percentiles, output tok/s, goodput (TTFT <= 500
+ms, TPOT <= 50 ms) and, from each request's final timings, the KV handoff (bytes, ms, share of its
+TTFT). Writes serve_check_<device>_<sections>.json and .md to --out-dir (benchmarks/results/gpu) and
+prints the figures against the targets: TTFT p50 < 500 ms at 1k-token prompts under load, TPOT p50
+< 50 ms, >= 1000 output tok/s, KV handoff <= 5 % of TTFT.
 
 One GPU, two workers: pdserve.pools asks Ray for one GPU per worker on cuda, so this script starts
 Ray itself with 2 logical GPUs on the one card and RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
-(both workers see physical GPU 0), and gives each worker a fixed KV size (--kv-gib): two engines must
+(both workers see physical GPU 0), and gives each worker a fixed KV size (the plan's): two engines must
 not each size their cache from the free memory. A dummy model has no tokenizer, which start_system
 needs for the router: the default model's tokenizer serves (ids past its vocabulary decode to nothing).
 
 ## On the device machine (one H200; no Ray there, nothing reachable)
 Here, once: `flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/gpu_wheels.py build` (three parts
 of <= 50 MiB in .gpu_wheels/). Then four `run` calls back to back (a machine stays warm 30 s after a
-call; the parts stay on it between calls), about 11 device minutes in all:
+call; the parts stay on it between calls), about 12 device minutes in all:
 
   1. carry [".gpu_wheels/part-1"]: `python3 scripts/gpu_wheels.py stage 1`    (start 1-2 min; prints
      the device's Python: if not the one built for, stop and rebuild with --python-version)
   2. carry [".gpu_wheels/part-2"]: `python3 scripts/gpu_wheels.py stage 2`    (~10 s)
-  3. carry [".gpu_wheels/part-3", "pdserve_proto"], timeout_s 540:
-     `python3 scripts/gpu_wheels.py stage 3 && PYTHONUNBUFFERED=1 python3 scripts/gpu_serve_check.py
-      --device cuda --sections 8b --out-dir $OUT`                          (~5 min: install 30 s,
-      Ray 5 s, per system ~30 s to start + 3 rates x 10 s + drain)
+  3. carry [".gpu_wheels/part-3", "pdserve_proto"], timeout_s 560: `python3 scripts/gpu_wheels.py
+     stage 3 && PYTHONUNBUFFERED=1 python3 scripts/gpu_serve_check.py --device cuda --sections
+     8b,8b_ipc --out-dir $OUT`                 (~5-6 min: install ~30 s; per system ~30 s to start,
+     a warm-up, 3 rates x 120 prompts (30 + 10 + 5 s) and their drains; 3 systems)
   4. carry ["pdserve_proto"], timeout_s 420: `. /tmp/pdserve-gpu/env.sh && PYTHONUNBUFFERED=1 python3
      scripts/gpu_serve_check.py --device cuda --sections default --out-dir $OUT && python3
-     scripts/gpu_check.py --device cuda --sections kv_handoff --out $OUT/h200_kv_handoff.json` (~4 min)
-Copy what comes back into benchmarks/results/gpu/.
+     scripts/gpu_check.py --device cuda --sections kv_handoff --out $OUT/h200_kv_handoff.json`
+                                               (~3 min: 2 systems, then #17's handoff figures)
+Copy what comes back into benchmarks/results/gpu/. Each section runs on a Ray node of its own.
 """
 
 from __future__ import annotations
@@ -76,12 +79,31 @@ class Plan:
     max_num_batched_tokens: int
     greedy_prompts: int  # chat prompts compared with the single-process engine (fp32 only)
     greedy_tokens: int
+    modes: tuple[str, ...] = ("disaggregated", "colocated")
+    cuda_ipc: bool = False  # PDSERVE_KV_CUDA_IPC=1 for the workers (kvtransfer/cuda_ipc.py)
 
 
 GIB = 1 << 30
 FULL = {
     "8b": Plan(
         "8b", "dummy:llama-3-8b", "bfloat16", 1024, 128, (4, 12, 24), 120, 32, 16 * GIB, 8192, 0, 0
+    ),
+    # the same, the KV handed off through CUDA IPC on the one GPU instead of host staging
+    "8b_ipc": Plan(
+        "8b_ipc",
+        "dummy:llama-3-8b",
+        "bfloat16",
+        1024,
+        128,
+        (4, 12, 24),
+        120,
+        32,
+        16 * GIB,
+        8192,
+        0,
+        0,
+        ("disaggregated",),
+        True,
     ),
     "default": Plan(
         "default", "default", "float32", 1024, 128, (4, 12, 24), 96, 32, 4 * GIB, 8192, 6, 48
@@ -92,7 +114,8 @@ QUICK = {
     "8b": Plan("8b", "dummy:smollm2-135m", "float32", 24, 4, (2, 4, 8), 2, 2, 32 << 20, 512, 0, 0),
     "default": Plan("default", "default", "float32", 24, 4, (2, 4, 8), 2, 2, 32 << 20, 512, 2, 8),
 }
-MODES = (("disaggregated", 1, 1), ("colocated", 0, 2))  # (mode, prefill workers, decode workers)
+# (prefill workers, decode workers) of each mode
+WORKERS = {"disaggregated": (1, 1), "colocated": (0, 2)}
 CHAT_PROMPTS = [  # scripts/gpu_engine.py, tests/test_model_vs_hf.py
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -129,10 +152,16 @@ def ensure_installed() -> None:
 # -- one system, driven -----------------------------------------------------------------------------
 
 
-def init_ray(device: str, object_store_bytes: int) -> None:
-    """A local Ray node as pdserve.system.init_ray starts one, plus (cuda) two logical GPUs on one card."""
+def init_ray(device: str, object_store_bytes: int, cuda_ipc: bool) -> None:
+    """A local Ray node as pdserve.system.init_ray starts one, plus (cuda) two logical GPUs on one card.
+    Its workers inherit this process's environment: `cuda_ipc` sets PDSERVE_KV_CUDA_IPC=1 there."""
+    from kvtransfer.cuda_ipc import ENV
+
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every server on loopback
     os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
+    os.environ.pop(ENV, None)
+    if cuda_ipc:
+        os.environ[ENV] = "1"
     gpus = None
     if device == "cuda":
         os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # both see the one card
@@ -141,6 +170,7 @@ def init_ray(device: str, object_store_bytes: int) -> None:
 
     from runtime.cpus import usable_cpus
 
+    ray.shutdown()  # the previous section's node: its workers had another environment
     ray.init(
         address="local",
         num_cpus=max(2, usable_cpus()),
@@ -249,10 +279,10 @@ def greedy_reference(plan: Plan, device: str) -> tuple[list[list[int]], list[lis
     return prompts, tokens
 
 
-async def serve_and_bench(plan: Plan, mode: tuple, device: str, args, reference) -> dict:
+async def serve_and_bench(plan: Plan, mode_name: str, device: str, args, reference) -> dict:
     from pdserve.system import ServeConfig, start_system
 
-    mode_name, num_prefill, num_decode = mode
+    num_prefill, num_decode = WORKERS[mode_name]
     config = ServeConfig(
         model=plan.model,
         dtype=plan.dtype,
@@ -398,7 +428,7 @@ def write_markdown(report: dict, path: Path) -> None:
 
 async def run_section(plan: Plan, device: str, args) -> dict:
     reference = greedy_reference(plan, device) if plan.greedy_prompts else None
-    systems = [await serve_and_bench(plan, mode, device, args, reference) for mode in MODES]
+    systems = [await serve_and_bench(plan, mode, device, args, reference) for mode in plan.modes]
     return {"model": plan.model, "dtype": plan.dtype, "plan": plan.__dict__, "systems": systems}
 
 
@@ -416,7 +446,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: the CPU test")
-    parser.add_argument("--sections", default="8b,default", help="comma-separated: 8b, default")
+    parser.add_argument(
+        "--sections",
+        default=None,
+        help="comma-separated, of 8b, 8b_ipc (cuda only), default; default: all there are",
+    )
     parser.add_argument("--transport", default="ray", choices=["ray", "grpc"])
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks/results/gpu"))
     parser.add_argument("--object-store-bytes", type=int, default=None)
@@ -426,9 +460,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     device = resolve_device(args.device)
     plans = QUICK if args.quick else FULL
-    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if unknown := sorted(set(chosen) - set(plans)):
-        parser.error(f"unknown sections {unknown}; choose from {', '.join(plans)}")
+    usable = [n for n, plan in plans.items() if device == "cuda" or not plan.cuda_ipc]
+    chosen = [s.strip() for s in (args.sections or ",".join(usable)).split(",") if s.strip()]
+    if unknown := sorted(set(chosen) - set(usable)):
+        parser.error(f"unknown sections {unknown} on {device}; choose from {', '.join(usable)}")
     if args.object_store_bytes is None:  # 8B: 128 MiB of KV per 1k-token request in the store
         args.object_store_bytes = (4 * GIB) if device == "cuda" else (256 << 20)
     if args.quick:
@@ -437,7 +472,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     use_default_tokenizer_for_dummy_models()
-    init_ray(device, args.object_store_bytes)
     started = time.perf_counter()
     report = {
         "device": device,
@@ -455,6 +489,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         section_started = time.perf_counter()
         print(f"[{name}] ...", flush=True)
         try:
+            init_ray(device, args.object_store_bytes, plans[name].cuda_ipc)
             section = {"ok": True, **asyncio.run(run_section(plans[name], device, args))}
         except Exception as error:
             section = {"ok": False, "error": f"{type(error).__name__}: {error}"}

@@ -1,0 +1,96 @@
+"""A same-GPU handoff for the `ray` transport: the KV never leaves the device (issue #32).
+
+When a prefill and a decode worker share one GPU (fractional GPUs, or a serving check on one card),
+host staging copies every byte device -> pinned host -> object store -> device, at most ~27 GB/s on
+an H200, where CUDA IPC between two processes measured 221-861 GB/s. With `PDSERVE_KV_CUDA_IPC=1` in
+the workers' environment, a `ray` sender whose cache is on CUDA instead:
+  - gathers each layer group into a buffer on its device (a reused pool, like the host one), takes
+    `device_checksum` of it there (the rdt transport's integrity rule for device memory), waits for
+    the gather, and keeps the buffer until ack, abort or lease expiry (the contract of every sender);
+  - routes a `CudaIpcKVDelivery`: the encoded header, the CUDA IPC handle of the buffer as plain
+    Python values (the router, which never imports torch, carries it), and its GPU's UUID.
+The receiver opens the handle only if its own cache is on the GPU of that UUID, copies the group into
+a buffer of its own, verifies the checksum on that copy (so a buffer a sender reused after an abort is
+caught, never installed) and installs it. A receiver on another GPU fails the request at the first
+message with an error naming both GPUs: nothing falls back silently.
+
+Fenced: off unless the environment variable is set, and both ends check the device. Tested on CPU
+with the IPC calls replaced (tests/test_kv_cuda_ipc.py); the CUDA IPC calls themselves run only on a
+GPU (scripts/gpu_serve_check.py's `8b_ipc` section).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ENV = "PDSERVE_KV_CUDA_IPC"
+
+
+@dataclass(frozen=True)
+class CudaIpcKVDelivery:
+    """One layer group shared in device memory: the encoded `KVGroupHeader`, `share`'s handle and
+    the UUID of the GPU holding it. Plain values only: it travels through the router."""
+
+    header: bytes
+    handle: tuple
+    device_uuid: str
+
+
+def device_uuid(device: torch.device) -> Optional[str]:
+    """The GPU's UUID (one card seen from two processes, whatever their CUDA_VISIBLE_DEVICES say)."""
+    if device.type != "cuda":
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return None if uuid is None else str(uuid)
+
+
+def enabled(device: torch.device) -> bool:
+    """The sender's choice: CUDA IPC for a cache on a GPU whose UUID is known, when asked for."""
+    return os.environ.get(ENV) == "1" and device.type == "cuda" and device_uuid(device) is not None
+
+
+def share(buffer: torch.Tensor) -> tuple:
+    """The CUDA IPC handle of a flat uint8 device tensor (torch's own reduction), torch-free."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buffer)
+    (_, size, stride, offset, _, _, _, handle, storage_bytes, storage_offset, _) = args[:11]
+    ref_counter_handle, ref_counter_offset, event_handle, event_sync = args[11:15]
+    return (
+        tuple(size),
+        tuple(stride),
+        offset,
+        handle,
+        storage_bytes,
+        storage_offset,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync,
+    )
+
+
+def open_shared(handle: tuple, device: torch.device) -> torch.Tensor:
+    """The sender's buffer, mapped into this process (on `device`, the same GPU: UUIDs checked)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    size, stride, offset, ipc_handle, storage_bytes, storage_offset, *rest = handle
+    with torch.cuda.device(device):
+        return rebuild_cuda_tensor(
+            torch.Tensor,
+            torch.Size(size),
+            stride,
+            offset,
+            torch.storage.TypedStorage,
+            torch.uint8,
+            device.index or 0,
+            ipc_handle,
+            storage_bytes,
+            storage_offset,
+            False,
+            *rest,
+        )
