@@ -134,6 +134,20 @@ def _model_file() -> Path:
     return default_model_path()
 
 
+def _travelling_tree_bytes() -> int:
+    """What travels with every call besides the carried paths: tracked and untracked-not-ignored
+    files, plus pdserve_proto (carried in calls 3 and 4)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    paths = [ROOT / name.decode() for name in listed if name]
+    paths += list((ROOT / "pdserve_proto").rglob("*"))
+    return sum(p.stat().st_size for p in paths if p.is_file())
+
+
 def build(python_version: str, part_mib: int) -> None:
     """Downloads and packs everything into `.gpu_wheels/part-N/`, python-specific files last."""
     for old in OUT_DIR.glob("part-*"):
@@ -183,10 +197,12 @@ def build(python_version: str, part_mib: int) -> None:
                 data = src.read(piece["length"])
             (folder / f"{piece['file']}.{piece['offset']:012d}").write_bytes(data)
         (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+    tree = _travelling_tree_bytes()
     for number in range(1, len(parts) + 1):
         folder = OUT_DIR / f"part-{number}"
         size = sum(f.stat().st_size for f in folder.iterdir())
-        print(f"{folder}: {size / 2**20:.1f} MiB")
+        warning = "  TOO LARGE with the tree: lower --part-mib" if size + tree > 63 << 20 else ""
+        print(f"{folder}: {size / 2**20:.1f} MiB (+ the tree's {tree / 2**20:.1f}){warning}")
     print(f"{len(parts)} parts for CPython {python_version}; carry one per device call")
 
 
