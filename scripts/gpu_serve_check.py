@@ -116,14 +116,6 @@ QUICK = {
 }
 # (prefill workers, decode workers) of each mode
 WORKERS = {"disaggregated": (1, 1), "colocated": (0, 2)}
-CHAT_PROMPTS = [  # scripts/gpu_engine.py, tests/test_model_vs_hf.py
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain what a hash table is in one paragraph.",
-    "Translate 'good morning' into Spanish and German.",
-    "def fibonacci(n):\n    # complete this Python function",
-]
 
 
 # -- what the device image lacks -------------------------------------------------------------------
@@ -263,6 +255,7 @@ def greedy_reference(plan: Plan, device: str) -> tuple[list[list[int]], list[lis
     """The single-process engine's greedy tokens for the plan's chat prompts (before any worker starts)."""
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
+    from gpu_engine import CHAT_PROMPTS  # the device engine check's prompts (scripts/)
 
     engine = LLMEngine(EngineConfig(model=plan.model, dtype=plan.dtype, device=device))
     prompts = [
