@@ -347,6 +347,30 @@ def test_bad_specs_are_400s_naming_the_field_and_disturb_nothing(system, client,
     assert system.stats().requests_in_flight == 0
 
 
+@pytest.mark.timeout(120)
+def test_grpc_guided_requests_and_their_invalid_argument(system):
+    import grpc
+
+    from pdserve_proto import pdserve_pb2 as pb
+
+    with system.client() as grpc_client:
+        chosen = grpc_client.generate(
+            grpc_client.request(
+                "The best city to visit is",
+                max_tokens=16,
+                temperature=0,
+                guided=pb.Guided(choice=pb.GuidedChoice(choices=CHOICES)),
+            )
+        )
+        assert chosen.text in CHOICES and chosen.finish_reason == "stop"
+        with pytest.raises(grpc.RpcError) as caught:
+            grpc_client.generate(
+                grpc_client.request("hi", max_tokens=4, guided=pb.Guided(regex="a(b"))
+            )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("sampling.guided.regex:")
+
+
 @pytest.mark.timeout(180)
 def test_a_json_answer_survives_its_decode_worker_killed_mid_stream(system, client):
     """Re-prefilled as prompt + tokens so far on the other decode worker, the grammar resumes from the
