@@ -233,6 +233,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="the model id of the HTTP API (default: the model file's name)",
     )
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="whose tokenizer and chat template to use, as a model spec (default: the model's own; "
+        "a dummy: model needs one, e.g. default)",
+    )
+    p.add_argument(
         "--api-key",
         action="append",
         default=None,
@@ -321,6 +327,7 @@ def _serve_config(args: argparse.Namespace, **overrides):
         decode_interleave_tokens=args.decode_interleave_tokens or None,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
+        tokenizer=args.tokenizer,
         api_keys=_api_keys(args.api_key),
         admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,
         insecure=args.insecure,

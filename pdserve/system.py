@@ -85,6 +85,9 @@ class ServeConfig:
     http_port: Optional[int] = None
     # the model id of the HTTP API; default: the model file's name
     served_model_name: Optional[str] = None
+    # whose tokenizer (and chat template) the router uses, as a model spec; None: the model's own
+    # (a dummy: model has none, so it needs one: vLLM's --tokenizer)
+    tokenizer: Optional[str] = None
     # data-plane keys; none: no key needed (allowed on loopback only)
     api_keys: tuple[str, ...] = ()
     admin_token: Optional[str] = None  # for Scale and other admin calls
@@ -157,6 +160,11 @@ class ServeConfig:
             )
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ValueError(f"--cpus-per-worker must be positive, got {self.cpus_per_worker}")
+        if self.model.startswith("dummy:") and self.tokenizer is None:
+            raise ValueError(
+                f"{self.model} has random weights and no tokenizer: pass --tokenizer "
+                "(e.g. --tokenizer default, the embedded model's)"
+            )
         self.pd  # checks the policy's fields
         self.core_policy
         self.routing_config
@@ -445,7 +453,7 @@ async def start_system(config: ServeConfig) -> System:
     from router.validation import ValidationLimits
 
     started = time.monotonic()
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
     router = Router(

@@ -20,7 +20,7 @@ One GPU, two workers: pdserve.pools asks Ray for one GPU per worker on cuda, so 
 Ray itself with 2 logical GPUs on the one card and RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
 (both workers see physical GPU 0), and gives each worker a fixed KV size (the plan's): two engines must
 not each size their cache from the free memory. A dummy model has no tokenizer, which start_system
-needs for the router: the default model's tokenizer serves (ids past its vocabulary decode to nothing).
+needs for the router: `--tokenizer default` serves (ids past its vocabulary decode to nothing).
 
 ## On the device machine (one H200; no Ray there, nothing reachable)
 Here, once: `flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/gpu_wheels.py build` (three parts
@@ -175,21 +175,6 @@ def init_ray(device: str, object_store_bytes: int, cuda_ipc: bool) -> None:
     )
 
 
-def use_default_tokenizer_for_dummy_models() -> None:
-    """start_system loads the served model's tokenizer; a dummy: model has none (see the docstring)."""
-    import engine.tokenizer as tokenizer_module
-
-    load = tokenizer_module.load_tokenizer
-    if getattr(load, "serves_dummy", False):
-        return
-
-    def load_tokenizer(spec: str):
-        return load("default" if spec.startswith("dummy:") else spec)
-
-    load_tokenizer.serves_dummy = True
-    tokenizer_module.load_tokenizer = load_tokenizer
-
-
 async def run_bench(port: int, plan: Plan, rates, prompts: int, seed: int, out: Path) -> list:
     """`pdserve bench` in its own process (the client's CPU stays out of the router's loop), through
     gpu_serve_bench.py, which also notes each request's server timings: one result per rate, with the
@@ -290,6 +275,7 @@ async def serve_and_bench(plan: Plan, mode_name: str, device: str, args, referen
         pd_policy="remote",  # every request hands its KV off: the handoff is what is measured
         lend_cores="off" if device == "cuda" else "all",
         object_store_bytes=args.object_store_bytes,
+        tokenizer="default",  # a dummy: model has none; the default model's for both
     )
     baseline = gpu_memory_used_bytes(device)
     started = time.perf_counter()
@@ -464,7 +450,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"python {platform.python_version()} at {sys.executable}, device {device}", flush=True)
     import torch
 
-    use_default_tokenizer_for_dummy_models()
     started = time.perf_counter()
     report = {
         "device": device,

@@ -361,6 +361,14 @@ def test_a_stream_interval_below_one_refuses_to_start():
         ServeConfig(stream_interval=0)
 
 
+def test_a_dummy_model_without_a_tokenizer_refuses_to_start():
+    from pdserve.system import ServeConfig
+
+    with pytest.raises(ValueError, match="--tokenizer"):
+        ServeConfig(model="dummy:smollm2-135m")
+    assert ServeConfig(model="dummy:smollm2-135m", tokenizer="default").tokenizer == "default"
+
+
 def _still_serves(served, expected: str) -> None:
     status, reply = _post(
         served,
