@@ -230,6 +230,12 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self.backend.id_to_token(token_id)
 
+    def use_chat_template(self, template: str) -> None:
+        """Replaces the model's chat template (`serve --chat-template`); TokenizerError if it does not
+        compile."""
+        self._compiled_template = compile_chat_template(template)
+        self.chat_template = template
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
@@ -314,6 +320,14 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def compile_chat_template(template: str) -> jinja2.Template:
+    """A chat template compiled as `apply_chat_template` renders it; TokenizerError if it does not."""
+    try:
+        return _chat_environment().from_string(template)
+    except jinja2.TemplateError as error:
+        raise TokenizerError(f"the chat template does not compile: {error}") from None
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -239,6 +239,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "a dummy: model needs one, e.g. default)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template replacing the tokenizer's: a file's path or the template itself",
+    )
+    p.add_argument(
         "--api-key",
         action="append",
         default=None,
@@ -328,6 +333,7 @@ def _serve_config(args: argparse.Namespace, **overrides):
         http_port=args.http_port,
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
         api_keys=_api_keys(args.api_key),
         admin_token=args.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN") or None,
         insecure=args.insecure,

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from engine.dtypes import DEVICES  # torch-free
@@ -88,6 +89,9 @@ class ServeConfig:
     # whose tokenizer (and chat template) the router uses, as a model spec; None: the model's own
     # (a dummy: model has none, so it needs one: vLLM's --tokenizer)
     tokenizer: Optional[str] = None
+    # a chat template replacing the tokenizer's: a file's path or the template itself (vLLM's
+    # --chat-template), e.g. for a model whose own has no tool format
+    chat_template: Optional[str] = None
     # data-plane keys; none: no key needed (allowed on loopback only)
     api_keys: tuple[str, ...] = ()
     admin_token: Optional[str] = None  # for Scale and other admin calls
@@ -165,6 +169,13 @@ class ServeConfig:
                 f"{self.model} has random weights and no tokenizer: pass --tokenizer "
                 "(e.g. --tokenizer default, the embedded model's)"
             )
+        if self.chat_template is not None:
+            from engine.tokenizer import TokenizerError, compile_chat_template  # torch-free
+
+            try:
+                compile_chat_template(self.chat_template_text)
+            except TokenizerError as error:
+                raise ValueError(f"--chat-template: {error}") from None
         self.pd  # checks the policy's fields
         self.core_policy
         self.routing_config
@@ -202,6 +213,18 @@ class ServeConfig:
         return (
             self.model if self.model.startswith("dummy:") else resolve_model_path(self.model).stem
         )
+
+    @property
+    def chat_template_text(self) -> Optional[str]:
+        """`chat_template` read from its file when it names one."""
+        if self.chat_template is None or "{" in self.chat_template:
+            return self.chat_template
+        path = Path(self.chat_template).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"--chat-template: {self.chat_template!r} is neither a file nor a template"
+            )
+        return path.read_text()
 
     @property
     def core_policy(self):
@@ -454,6 +477,8 @@ async def start_system(config: ServeConfig) -> System:
 
     started = time.monotonic()
     tokenizer = load_tokenizer(config.tokenizer or config.model)
+    if config.chat_template is not None:
+        tokenizer.use_chat_template(config.chat_template_text)
     decode_role = "decode" if config.mode == "disaggregated" else "colocated"
     admission = AdmissionLimits(config.max_in_flight, config.max_waiting_for_kv)
     router = Router(

@@ -369,6 +369,18 @@ def test_a_dummy_model_without_a_tokenizer_refuses_to_start():
     assert ServeConfig(model="dummy:smollm2-135m", tokenizer="default").tokenizer == "default"
 
 
+def test_a_chat_template_that_does_not_compile_or_names_no_file_refuses_to_start(tmp_path):
+    from pdserve.system import ServeConfig
+
+    with pytest.raises(ValueError, match="--chat-template.*does not compile"):
+        ServeConfig(chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="neither a file nor a template"):
+        ServeConfig(chat_template=str(tmp_path / "missing.jinja"))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert ServeConfig(chat_template=str(template)).chat_template_text == template.read_text()
+
+
 def _still_serves(served, expected: str) -> None:
     status, reply = _post(
         served,

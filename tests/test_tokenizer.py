@@ -10,7 +10,7 @@ import pytest
 
 from engine import gguf_loader
 from engine.default_model import default_model_path
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = [
     "",
@@ -263,3 +263,14 @@ def test_template_features_render_as_in_hf(tokenizer, hf_tokenizer, with_tools):
     rendered = rich.apply_chat_template(RICH_CONVERSATION, add_generation_prompt=True, **extra)
     assert rendered == expected
     assert "Zürich" in rendered and "turns=3" in rendered and ("TOOLS" in rendered) == with_tools
+
+
+def test_a_replacement_chat_template_is_used_and_a_broken_one_refused(gguf_fields):
+    tokenizer = Tokenizer.from_gguf_fields(gguf_fields)  # its own: the fixture's is shared
+    tokenizer.use_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    text = "<user>hi"
+    assert tokenizer.encode_chat([{"role": "user", "content": "hi"}]) == tokenizer.encode(
+        text, add_special_tokens=False
+    )
+    with pytest.raises(TokenizerError, match="does not compile"):
+        tokenizer.use_chat_template("{% for m in messages %}")
