@@ -20,6 +20,7 @@ from typing import Awaitable, Callable, Optional
 from aiohttp import web
 
 from router.auth import AuthError, Credentials
+from router.choices import Choices, best, generate_choices
 from router.failures import describe_failure
 from router.logs import request_context
 from router.metrics import METRICS_CONTENT_TYPE, Snapshot
@@ -35,7 +36,7 @@ from router.openai_api import (
     sse,
 )
 from router.openai_logprobs import TokenTexts
-from router.output import StreamItem
+from router.output import FinalInfo, StreamItem
 from router.pool import WorkerStartError
 from router.router import Router
 from router.validation import (
@@ -135,7 +136,7 @@ class HttpFrontend:
                 )
                 raise
             shape = self._shape(parsed, validated)
-            stream = self.router.generate(validated)
+            stream = generate_choices(self.router, validated, parsed.choices)
             async with contextlib.aclosing(stream):
                 try:
                     # failures before the first token still get their own status
@@ -143,7 +144,7 @@ class HttpFrontend:
                 except Exception as error:
                     raise _api_error(error, validated.request_id) from error
                 if not parsed.stream:
-                    return await _whole(stream, first, shape, validated.request_id)
+                    return await _whole(stream, first, shape, validated.request_id, parsed.choices)
                 return await _event_stream(
                     request, stream, first, shape, validated.request_id, self.router
                 )
@@ -232,24 +233,36 @@ class HttpFrontend:
             raise ApiError(error.status, str(error), code=error.code) from error
 
 
-async def _whole(stream, first: StreamItem, shape: ResponseShape, request_id: str) -> web.Response:
-    items = [first]
+async def _whole(
+    stream, first: tuple[int, StreamItem], shape: ResponseShape, request_id: str, choices: Choices
+) -> web.Response:
+    generated: list[list[StreamItem]] = [[] for _ in range(choices.best_of)]
+    finished = 0
+    index, item = first
     try:
-        while items[-1].final is None:
-            items.append(await anext(stream))
+        while True:
+            generated[index].append(item)
+            finished += item.final is not None
+            if finished == choices.best_of:
+                break
+            index, item = await anext(stream)
     except Exception as error:
         raise _api_error(error, request_id) from error
-    return web.json_response(shape.full(items))
+    if choices.best_of > choices.n:
+        generated = best(generated, choices.n)
+    return web.json_response(shape.full(generated))
 
 
 async def _event_stream(
     request: web.Request,
     stream,
-    first: StreamItem,
+    first: tuple[int, StreamItem],
     shape: ResponseShape,
     request_id: str,
     router: Router,
 ) -> web.StreamResponse:
+    """Each choice's chunks carry its index, interleaved as they come; with include_usage the usage
+    chunk follows the last choice's final one."""
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -258,23 +271,29 @@ async def _event_stream(
         }
     )
     await response.prepare(request)
-    item, opening = first, True
-    # items not sent yet (tokens without text so far: their logprobs wait too)
-    pending: list[StreamItem] = []
+    num_choices = shape.parsed.choices.best_of  # streamed: best_of == n
+    (index, item), opened = first, set()
+    # per choice: items not sent yet (tokens without text so far: their logprobs wait too)
+    pending: dict[int, list[StreamItem]] = {}
+    finals: list[FinalInfo] = []
     try:
         while True:
-            pending.append(item)
+            waiting = pending.setdefault(index, [])
+            waiting.append(item)
+            opening = index not in opened
             if item.text or item.final is not None or opening:
-                event = sse(shape.chunk(pending, first=opening))
-                pending = []
+                event = sse(shape.chunk(waiting, first=opening, index=index))
+                pending[index] = []
                 await router.writes_released()
                 await response.write(event)
-                opening = False
+                opened.add(index)
             if item.final is not None:
-                if shape.parsed.include_usage:
-                    await response.write(sse(shape.usage_chunk(item.final)))
-                break
-            item = await anext(stream)
+                finals.append(item.final)
+                if len(finals) == num_choices:
+                    if shape.parsed.include_usage:
+                        await response.write(sse(shape.usage_chunk(finals)))
+                    break
+            index, item = await anext(stream)
     except ConnectionResetError:
         raise  # the client went away: closing the stream aborts the request on its workers
     except Exception as error:  # headers are sent: the error goes in the stream, as OpenAI does

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from engine.sampling_params import MAX_LOGPROBS
 from pdserve_proto import pdserve_pb2 as pb
+from router.choices import MAX_CHOICES, Choices
 from router.openai_logprobs import Entry, TokenTexts, chat_logprobs, completion_logprobs
 from router.openai_tools import ToolCallStream, ToolChoice, parse_calls, read_tools
 from router.output import FinalInfo, StreamItem
@@ -39,8 +40,6 @@ ERROR_TYPES = {
 
 # Accepted only at these (neutral) values: the engine implements nothing else for them.
 _NEUTRAL = {
-    "n": (1,),
-    "best_of": (1,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0),
@@ -76,6 +75,8 @@ _COMMON = {
     "echo",
     "tools",
     "tool_choice",
+    "n",
+    "best_of",
     *GUIDED_FIELDS,
     *_NEUTRAL,
 }
@@ -127,6 +128,7 @@ class ParsedRequest:
     # the field that asked for a grammar (response_format, guided_json, ...), for error messages
     guided_param: Optional[str] = None
     tool_choice: Optional[ToolChoice] = None  # chat with tools: how calls are read from the answer
+    choices: Choices = Choices()  # n and best_of (router/choices.py)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -230,6 +232,7 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
             options, "include_usage", bool, False, "stream_options.include_usage"
         )
     _typed(body, "user", str, None)
+    choices = _choices(body, stream)
     return ParsedRequest(
         request,
         chat,
@@ -241,7 +244,22 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
         echo_only,
         guided_param,
         tool_choice,
+        choices,
     )
+
+
+def _choices(body: dict, stream: bool) -> Choices:
+    """`n` and `best_of` (default n), each 1..MAX_CHOICES; best_of > n is not streamed (as vLLM)."""
+    n = _typed(body, "n", int, 1)
+    best_of = _typed(body, "best_of", int, n)
+    for name, value in (("n", n), ("best_of", best_of)):
+        if not 1 <= value <= MAX_CHOICES:
+            raise invalid(name, f"must be in [1, {MAX_CHOICES}], got {value}")
+    if best_of < n:
+        raise invalid("best_of", f"must be >= n ({n}), got {best_of}")
+    if best_of > n and stream:
+        raise invalid("best_of", f"cannot exceed n ({n}) when streaming, got {best_of}")
+    return Choices(n, best_of)
 
 
 def _guided(body: dict, guided: "pb.Guided", chat: bool) -> Optional[str]:
@@ -472,12 +490,15 @@ def openai_param(field: str, parsed: ParsedRequest) -> str:
 # -- responses ---------------------------------------------------------------------------------
 
 
-def usage_body(final: FinalInfo) -> dict:
+def usage_body(finals: Sequence[FinalInfo]) -> dict:
+    """Usage of the choices that ended with `finals`: the prompt counted once, their tokens summed."""
+    prompt_tokens = finals[0].prompt_tokens
+    completion_tokens = sum(final.completion_tokens for final in finals)
     return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finals[0].cached_prompt_tokens},
     }
 
 
@@ -487,8 +508,9 @@ def finish_reason(final: FinalInfo) -> str:
 
 @dataclass
 class ResponseShape:
-    """Builds one request's response objects: the non-streaming body and the SSE chunks. `texts` and
-    `prompt_ids` serve logprobs and echo; `prompt_text` is what echo returns."""
+    """Builds one request's response objects: the non-streaming body and the SSE chunks (each choice's,
+    by its index). `texts` and `prompt_ids` serve logprobs and echo; `prompt_text` is what echo
+    returns."""
 
     parsed: ParsedRequest
     model: str
@@ -497,13 +519,12 @@ class ResponseShape:
     prompt_ids: Sequence[int] = ()
     prompt_text: str = ""
     created: int = 0
-    _streamed_chars: int = 0  # text streamed so far: where the next chunk's text_offset starts
-    _tool_stream: Optional[ToolCallStream] = None
+    # per choice: text streamed so far (where its next chunk's text_offset starts), its tool calls
+    _streamed_chars: dict[int, int] = field(default_factory=dict)
+    _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
-        if self.parsed.tool_choice is not None:
-            self._tool_stream = ToolCallStream(self.parsed.tool_choice)
         self.id = ("chatcmpl-" if self.parsed.chat else "cmpl-") + self.request_id
 
     def _envelope(self, chunk: bool) -> dict:
@@ -540,6 +561,7 @@ class ResponseShape:
 
     def _choice(
         self,
+        index: int,
         text: Optional[str],
         reason: Optional[str],
         chunk: bool,
@@ -548,7 +570,12 @@ class ResponseShape:
         tool_calls: Optional[list] = None,
     ) -> dict:
         if not self.parsed.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+            return {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
         if tool_calls and reason == "stop" and self.parsed.tool_choice.mode != "named":
             reason = "tool_calls"  # as OpenAI: a forced named call finishes with "stop"
         if chunk:
@@ -557,51 +584,55 @@ class ResponseShape:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = tool_calls
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         message: dict = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
-    def full(self, items: Sequence[StreamItem]) -> dict:
-        """The whole answer from all its stream items (the last one final)."""
-        final = items[-1].final
-        text, entries = self._answer(items, opening=True)
-        calls = None
-        if self.parsed.tool_choice is not None:
-            text, calls = parse_calls(text, self.parsed.tool_choice)
-        choice = self._choice(
-            text, finish_reason(final), False, logprobs=self._logprobs(entries), tool_calls=calls
-        )
-        return {**self._envelope(False), "choices": [choice], "usage": usage_body(final)}
+    def full(self, choices: Sequence[Sequence[StreamItem]]) -> dict:
+        """The whole answer: each choice's stream items (the last one final), in index order."""
+        bodies = []
+        for index, items in enumerate(choices):
+            text, entries = self._answer(items, opening=True)
+            calls = None
+            if self.parsed.tool_choice is not None:
+                text, calls = parse_calls(text, self.parsed.tool_choice)
+            reason = finish_reason(items[-1].final)
+            logprobs = self._logprobs(entries)
+            bodies.append(
+                self._choice(index, text, reason, False, logprobs=logprobs, tool_calls=calls)
+            )
+        finals = [items[-1].final for items in choices]
+        return {**self._envelope(False), "choices": bodies, "usage": usage_body(finals)}
 
-    def chunk(self, items: Sequence[StreamItem], first: bool = False) -> dict:
-        """One SSE chunk of the items since the last one sent (their text, and logprobs of all their tokens)."""
+    def chunk(self, items: Sequence[StreamItem], first: bool = False, index: int = 0) -> dict:
+        """One SSE chunk of choice `index`'s items since its last one sent (their text, and logprobs of
+        all their tokens)."""
         final = items[-1].final if items else None
         text, entries = self._answer(items, opening=first)
+        streamed_chars = self._streamed_chars.get(index, 0)
         logprobs = (
-            self._logprobs(entries, self._streamed_chars)
+            self._logprobs(entries, streamed_chars)
             if entries or (first and self.parsed.echo)
             else None
         )
-        self._streamed_chars += len(text)
+        self._streamed_chars[index] = streamed_chars + len(text)
         calls = None
-        if self._tool_stream is not None:
-            text, calls = self._tool_stream.feed(text, final is not None)
+        if self.parsed.tool_choice is not None:
+            tools = self._tool_streams.setdefault(index, ToolCallStream(self.parsed.tool_choice))
+            text, calls = tools.feed(text, final is not None)
+        reason = finish_reason(final) if final else None
         body = {
             **self._envelope(True),
-            "choices": [
-                self._choice(
-                    text, finish_reason(final) if final else None, True, first, logprobs, calls
-                )
-            ],
+            "choices": [self._choice(index, text, reason, True, first, logprobs, calls)],
         }
         if self.parsed.include_usage:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, final: FinalInfo) -> dict:
-        return {**self._envelope(True), "choices": [], "usage": usage_body(final)}
+    def usage_chunk(self, finals: Sequence[FinalInfo]) -> dict:
+        return {**self._envelope(True), "choices": [], "usage": usage_body(finals)}
 
 
 def sse(body: dict, dumps: Callable[[Any], str] = json.dumps) -> bytes:

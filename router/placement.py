@@ -18,6 +18,10 @@ class Prompt:
 
     ids: list[int]
     hashes: list[bytes]
+    # Worker ids this attempt is pinned to (router/choices.py: the choices of an `n > 1` request go
+    # where their first choice went, to share its prompt's cached blocks); those of a pool that are
+    # ready are its only candidates, and a pool with none of them ready ranks all its workers.
+    pinned: frozenset[str] = frozenset()
 
 
 class Placement:
@@ -37,19 +41,21 @@ class Placement:
         self.decode_pool = decode_pool
         self._metrics = metrics
 
-    def prompt(self, prompt_ids: list[int]) -> Prompt:
+    def prompt(self, prompt_ids: list[int], pinned: frozenset[str] = frozenset()) -> Prompt:
         workers = self.decode_pool.ready() or self.prefill_pool.ready()
         hashes = (
             prompt_hashes(self.routing, prompt_ids, workers[0].info.block_size_tokens)
             if workers
             else []
         )
-        return Prompt(prompt_ids, hashes)
+        return Prompt(prompt_ids, hashes, pinned)
 
     def ranked(self, pool: WorkerPool, prompt: Prompt) -> list[Candidate]:
-        """The pool's ready workers, best first."""
+        """The pool's ready workers (the pinned ones, if any of them is ready), best first."""
+        workers = pool.ready()
+        workers = [w for w in workers if w.worker_id in prompt.pinned] or workers
         return rank(
-            self.routing, self._kv_index, pool.ready(), prompt.hashes, len(prompt.ids), pool.role
+            self.routing, self._kv_index, workers, prompt.hashes, len(prompt.ids), pool.role
         )
 
     def place(self, prompt: Prompt) -> Decision:

@@ -140,11 +140,14 @@ class Router:
             config.stream_interval,
         )
 
-    async def generate(self, request: ValidatedRequest) -> AsyncIterator[StreamItem]:
+    async def generate(
+        self, request: ValidatedRequest, pinned_to: Optional[Route] = None
+    ) -> AsyncIterator[StreamItem]:
         """Streams a request's output; the last item carries `final` (finish reason "abort" after
-        `abort`). Raises at once DuplicateRequestError when its id is in flight and OverloadedError
-        when the router's queues are full, and the errors of the flow (WorkerError, ...) as they
-        come."""
+        `abort`). `pinned_to`: another request's route, whose workers this one's first attempt goes
+        to while they are ready (router/choices.py; a migration places afresh). Raises at once
+        DuplicateRequestError when its id is in flight and OverloadedError when the router's queues
+        are full, and the errors of the flow (WorkerError, ...) as they come."""
         if request.request_id in self._registry:
             self._stats.refused("invalid")
             raise DuplicateRequestError(f"request_id: {request.request_id!r} is already in flight")
@@ -172,7 +175,7 @@ class Router:
         outcome = "aborted"
         try:
             try:
-                async for item in self._migrating(record, request, progress):
+                async for item in self._migrating(record, request, progress, pinned_to):
                     final = item.final
                     if final is not None:
                         # before the client sees the end, so /metrics already counts it
@@ -242,14 +245,25 @@ class Router:
     # -- migration -------------------------------------------------------------------------------
 
     async def _migrating(
-        self, record: RequestRecord, request: ValidatedRequest, progress: Progress
+        self,
+        record: RequestRecord,
+        request: ValidatedRequest,
+        progress: Progress,
+        pinned_to: Optional[Route],
     ) -> AsyncIterator[StreamItem]:
         """Runs the mode's flow; when a worker dies under the request, re-runs prompt + tokens so far
         on healthy workers (the client sees only latency; greedy and seeded output stay the same)."""
         attempt = 0
+        pinned = (
+            frozenset(w.worker_id for w in (pinned_to.prefill, pinned_to.decode) if w is not None)
+            if pinned_to is not None
+            else frozenset()
+        )
         while True:
             wid = request.request_id if attempt == 0 else f"{request.request_id}~{attempt}"
-            prompt = self._placement.prompt(request.prompt_ids + progress.token_ids)
+            prompt = self._placement.prompt(
+                request.prompt_ids + progress.token_ids, pinned if attempt == 0 else frozenset()
+            )
             # Logprobs of the tokens already streamed are not asked again: a re-prefill's prompt
             # logprobs only if none went out yet, and its first token's are the next token's.
             params = dataclasses.replace(

@@ -429,7 +429,7 @@ def test_openai_chat_logprobs_streamed_and_not(system, openai_client, smollm_fp3
         (False, {"max_tokens": 0}, "max_tokens"),
         (False, {"top_logprobs": 2}, "top_logprobs"),
         (True, {"echo": True}, "echo"),
-        (True, {"n": 2}, "n"),
+        (True, {"n": 17}, "n"),
     ],
 )
 def test_bad_logprobs_arguments_are_400s_naming_the_field(
