@@ -1,6 +1,7 @@
 """`n > 1` and `best_of` (issue #33) through a real 1P+1D system with the official `openai` client: each
 choice is reproducible alone with its derived seed (`seed + i`), the prompt's KV is prefilled once and
-its full blocks reused by choices 1.. on the decode worker (the router's prefix-hit counters show it),
+its full blocks reused by choices 1.. on choice 0's decode worker, one of two (the router's prefix-hit
+counters show it),
 usage counts the prompt once and the choices' tokens summed, streamed choices carry their index, best_of
 keeps the choices of the highest cumulative logprob, and bad values are 400s naming the parameter.
 
@@ -23,7 +24,9 @@ PROMPT = (
 
 @pytest.fixture(scope="module")
 def system(harness):
-    running = harness.start(transport="ray", num_prefill=1, num_decode=1, http_port=0)
+    # Two decode workers: without the pin, prefix routing would weigh choice 0's running stream
+    # against the prompt it holds and send choices 1.. to the idle worker, which holds nothing.
+    running = harness.start(transport="ray", num_prefill=1, num_decode=2, http_port=0)
     yield running
     running.stop()
 
