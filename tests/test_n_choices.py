@@ -10,6 +10,8 @@ batch shapes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import openai
 import pytest
 
@@ -190,6 +192,24 @@ def test_a_client_that_goes_away_aborts_every_choice(system, client):
         if len(seen) == 3:  # all three choices are running
             break
     stream.close()
+    settled = system.wait_idle()
+    assert settled.requests_in_flight == 0
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in settled.workers)
+
+
+@pytest.mark.timeout(120)
+def test_a_choice_that_fails_fails_the_whole_response_and_frees_every_choice(system, client):
+    router = system.system.router
+    original = router.config
+    # room for two requests in flight: choice 2 of 3 is refused as overloaded
+    limits = dataclasses.replace(original.limits, max_in_flight=2)
+    router.config = dataclasses.replace(original, limits=limits)
+    try:
+        with pytest.raises(openai.RateLimitError) as raised:
+            _complete(system, client, n=3, temperature=1.0, max_tokens=50)
+        assert "--max-in-flight" in raised.value.body["message"]
+    finally:
+        router.config = original
     settled = system.wait_idle()
     assert settled.requests_in_flight == 0
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in settled.workers)
