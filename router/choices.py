@@ -23,7 +23,7 @@ import dataclasses
 from typing import AsyncIterator, NamedTuple, Optional, Sequence
 
 from router.output import StreamItem
-from router.registry import Route
+from router.registry import Route, choice_request_id
 from router.router import Router
 from router.validation import ValidatedRequest
 
@@ -48,7 +48,7 @@ def choice_request(
         changes["seed"] = (params.seed + index) % _SEED_MODULUS
     if sample_logprobs and params.logprobs is None:
         changes["logprobs"] = 0
-    request_id = f"{request.request_id}#{index}" if index else request.request_id
+    request_id = choice_request_id(request.request_id, index)
     if not changes and not index:
         return request
     return ValidatedRequest(request_id, request.prompt_ids, dataclasses.replace(params, **changes))

@@ -60,6 +60,12 @@ class RequestRecord:
                 task.cancel()
 
 
+def choice_request_id(request_id: str, index: int) -> str:
+    """Choice `index` of an n > 1 request runs as its own request (router/choices.py); choice 0 keeps the
+    request's id."""
+    return f"{request_id}#{index}" if index else request_id
+
+
 class Registry:
     """`client` is the router's `WorkerClient` (aborts on settling)."""
 
@@ -127,6 +133,15 @@ class Registry:
                 count.release()
         if not route.decode_finished and not route.decode.is_dead:
             self._client.abort(route.decode, wid)
+
+    def choices_of(self, request_id: str) -> list[str]:
+        """The ids in flight of an n > 1 request's other choices (router/choices.py)."""
+        prefix = choice_request_id(request_id, 1)[:-1]
+        return [
+            other
+            for other in self._records
+            if other.startswith(prefix) and other[len(prefix) :].isdigit()
+        ]
 
     def abort(self, request_id: str) -> bool:
         """Ends a request in flight at once (its stream's last item has finish reason "abort"); its

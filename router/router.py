@@ -201,9 +201,13 @@ class Router:
                 log.info("ended without finishing: %s", outcome)
 
     async def abort(self, request_id: str) -> bool:
-        """Ends a request in flight at once (its stream's last item has finish reason "abort"); its
-        workers are aborted as it ends. False when no such request is in flight."""
-        return self._registry.abort(request_id)
+        """Ends a request in flight at once (its stream's last item has finish reason "abort"), an n > 1
+        request's other choices with it; its workers are aborted as it ends. False when no such request
+        is in flight."""
+        found = self._registry.abort(request_id)
+        for choice in self._registry.choices_of(request_id):
+            found = self._registry.abort(choice) or found
+        return found
 
     def route_of(self, request_id: str) -> Optional[Route]:
         """The workers holding a request's current attempt (`.prefill`, `.decode`); None when it is not

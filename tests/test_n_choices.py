@@ -10,6 +10,7 @@ batch shapes."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import openai
@@ -35,12 +36,7 @@ def system(harness):
 
 @pytest.fixture(scope="module")
 def client(system):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{system.system.http_port}/v1",
-        api_key="none",
-        max_retries=0,
-        timeout=120,
-    )
+    return system.openai_client()
 
 
 def _complete(system, client, prompt: str = PROMPT, **extra):
@@ -192,6 +188,36 @@ def test_a_client_that_goes_away_aborts_every_choice(system, client):
         if len(seen) == 3:  # all three choices are running
             break
     stream.close()
+    settled = system.wait_idle()
+    assert settled.requests_in_flight == 0
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in settled.workers)
+
+
+def test_an_abort_by_request_id_ends_every_choice(system, client):
+    stream = _complete(
+        system,
+        client,
+        n=3,
+        temperature=1.0,
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "abort-every-choice"},
+    )
+    chunks, finished, aborted = collections.Counter(), set(), False
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        chunks[choice.index] += 1
+        if choice.finish_reason is not None:
+            finished.add(choice.index)
+        if len(chunks) == 3 and not aborted:  # all three choices are running: abort by the id
+            with system.client() as grpc_client:
+                assert grpc_client.abort("abort-every-choice")
+            aborted = True
+    # every choice ended, long before its 400 tokens
+    assert finished == {0, 1, 2} and max(chunks.values()) < 200, chunks
     settled = system.wait_idle()
     assert settled.requests_in_flight == 0
     assert all(w.kv_blocks_free == w.kv_blocks_total for w in settled.workers)
