@@ -22,6 +22,18 @@ class RunningSystem:
     def client(self, timeout_s: float = 120) -> PdserveClient:
         return PdserveClient(port=self.port, timeout_s=timeout_s)
 
+    def openai_client(self, api_key: str = "none"):
+        """The official `openai` client on this system's HTTP API (started with `http_port`): no
+        retries, so a failure shows at once."""
+        import openai
+
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.system.http_port}/v1",
+            api_key=api_key,
+            max_retries=0,
+            timeout=120,
+        )
+
     def stats(self):
         with self.client() as client:
             return client.stats()

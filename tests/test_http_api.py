@@ -26,12 +26,7 @@ def served(harness):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{served.system.http_port}/v1",
-        api_key=API_KEY,
-        max_retries=0,
-        timeout=120,
-    )
+    return served.openai_client(API_KEY)
 
 
 def grpc_client(served):

@@ -206,12 +206,7 @@ def system(request, harness):
 
 @pytest.fixture(scope="module")
 def openai_client(system):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{system.system.http_port}/v1",
-        api_key="none",
-        max_retries=0,
-        timeout=120,
-    )
+    return system.openai_client()
 
 
 @pytest.fixture(scope="module")
@@ -432,11 +427,10 @@ def test_openai_chat_logprobs_streamed_and_not(system, openai_client, smollm_fp3
         (True, {"n": 17}, "n"),
     ],
 )
+@pytest.mark.parametrize("system", ["ray"], indirect=True)  # the same HTTP front end on both
 def test_bad_logprobs_arguments_are_400s_naming_the_field(
     system, openai_client, chat, extra, param
 ):
-    if system.transport != "ray":
-        pytest.skip("the HTTP front end is the same on both transports")
     with pytest.raises(openai.BadRequestError) as caught:
         if chat:
             openai_client.chat.completions.create(
@@ -453,11 +447,10 @@ def test_bad_logprobs_arguments_are_400s_naming_the_field(
     assert error["param"] == param and error["message"].startswith(f"{param}:")
 
 
+@pytest.mark.parametrize("system", ["grpc"], indirect=True)  # it has the second decode worker
 def test_logprobs_survive_a_decode_worker_killed_mid_stream(system, smollm_fp32, tokenizer):
     """The request is re-prefilled as prompt + tokens so far on the other decode worker: the logprobs of the
     tokens already streamed are neither lost nor sent again, and the later ones continue."""
-    if system.transport != "grpc":
-        pytest.skip("the grpc system has the second decode worker")
     import ray
 
     prompt = tokenizer.encode(PROMPT)

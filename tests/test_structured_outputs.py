@@ -234,12 +234,7 @@ def system(request, harness):
 
 @pytest.fixture(scope="module")
 def client(system):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{system.system.http_port}/v1",
-        api_key="none",
-        max_retries=0,
-        timeout=120,
-    )
+    return system.openai_client()
 
 
 def _person_chat(system, client, seed: int, **extra):
@@ -333,9 +328,8 @@ def test_guided_choice_and_regex_hold_for_every_seed(system, client):
         ),
     ],
 )
+@pytest.mark.parametrize("system", ["ray"], indirect=True)  # the same HTTP front end on both
 def test_bad_specs_are_400s_naming_the_field_and_disturb_nothing(system, client, extra, param):
-    if system.transport != "ray":
-        pytest.skip("the HTTP front end is the same on both transports")
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model=system.config.model_name,
@@ -372,11 +366,10 @@ def test_grpc_guided_requests_and_their_invalid_argument(system):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("system", ["grpc"], indirect=True)  # it has the second decode worker
 def test_a_json_answer_survives_its_decode_worker_killed_mid_stream(system, client):
     """Re-prefilled as prompt + tokens so far on the other decode worker, the grammar resumes from the
     tokens already sent: the answer validates and equals the one of the same seed never interrupted."""
-    if system.transport != "grpc":
-        pytest.skip("the grpc system has the second decode worker")
     import ray
 
     reference = _person_chat(system, client, 11).choices[0].message.content
@@ -410,11 +403,10 @@ def test_a_json_answer_survives_its_decode_worker_killed_mid_stream(system, clie
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("system", ["ray"], indirect=True)  # the same HTTP front end on both
 def test_a_tool_call_round_trip(system, client):
     """The default template has no tool format: a named call is forced by its parameters' schema, and the
     assistant's call and the tool's answer go back in the conversation."""
-    if system.transport != "ray":
-        pytest.skip("the HTTP front end is the same on both transports")
     model = system.config.model_name
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -469,11 +461,10 @@ def test_a_tool_call_round_trip(system, client):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("system", ["ray"], indirect=True)  # the same HTTP front end on both
 def test_auto_tool_calls_in_a_hermes_template_are_parsed(system, client):
     """With a template that has a tool format, "auto" reads the model's `<tool_call>` out of its answer
     (the 135M model rarely writes one unasked, so a regex makes it write one here)."""
-    if system.transport != "ray":
-        pytest.skip("the HTTP front end is the same on both transports")
     tokenizer = system.system.router.tokenizer
     original = tokenizer.chat_template
     tokenizer.chat_template, tokenizer._compiled_template = HERMES_TEMPLATE, None
