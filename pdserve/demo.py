@@ -33,6 +33,7 @@ def run_demo(transport: str, dtype: str, device: str = "auto") -> int:
     )
     system = asyncio.run_coroutine_threadsafe(start_system(config), loop).result(timeout=300)
     print(f"{system.ready_line()}\nsending {len(PROMPTS)} chat prompts at once\n", flush=True)
+    print(f"> {PROMPTS[0]}", flush=True)  # its answer streams live
     lock = threading.Lock()
 
     def ask(index: int, prompt: str):
