@@ -45,6 +45,27 @@ def _complete(system, client, prompt: str = PROMPT, **extra):
     )
 
 
+def _long_stream(system, client, **extra):
+    """Three streamed choices of 400 tokens each: long enough to be stopped while all three run."""
+    return _complete(
+        system,
+        client,
+        n=3,
+        temperature=1.0,
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        **extra,
+    )
+
+
+def _assert_nothing_held(system) -> None:
+    """Nothing in flight and every worker's KV blocks free again."""
+    settled = system.wait_idle()
+    assert settled.requests_in_flight == 0
+    assert all(w.kv_blocks_free == w.kv_blocks_total for w in settled.workers)
+
+
 def _prefix_hits(system) -> dict[str, float]:
     """The router's prefix-hit tokens by pool, and the KV bytes the decode pool did not receive."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -173,37 +194,18 @@ def test_bad_n_and_best_of_are_400s_naming_the_parameter(system, client, extra, 
 
 @pytest.mark.timeout(120)
 def test_a_client_that_goes_away_aborts_every_choice(system, client):
-    stream = _complete(
-        system,
-        client,
-        n=3,
-        temperature=1.0,
-        max_tokens=400,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = _long_stream(system, client)
     seen = set()
     for chunk in stream:
         seen.add(chunk.choices[0].index)
         if len(seen) == 3:  # all three choices are running
             break
     stream.close()
-    settled = system.wait_idle()
-    assert settled.requests_in_flight == 0
-    assert all(w.kv_blocks_free == w.kv_blocks_total for w in settled.workers)
+    _assert_nothing_held(system)
 
 
 def test_an_abort_by_request_id_ends_every_choice(system, client):
-    stream = _complete(
-        system,
-        client,
-        n=3,
-        temperature=1.0,
-        max_tokens=400,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": "abort-every-choice"},
-    )
+    stream = _long_stream(system, client, extra_headers={"X-Request-Id": "abort-every-choice"})
     chunks, finished, aborted = collections.Counter(), set(), False
     for chunk in stream:
         if not chunk.choices:
@@ -218,9 +220,7 @@ def test_an_abort_by_request_id_ends_every_choice(system, client):
             aborted = True
     # every choice ended, long before its 400 tokens
     assert finished == {0, 1, 2} and max(chunks.values()) < 200, chunks
-    settled = system.wait_idle()
-    assert settled.requests_in_flight == 0
-    assert all(w.kv_blocks_free == w.kv_blocks_total for w in settled.workers)
+    _assert_nothing_held(system)
 
 
 @pytest.mark.timeout(120)
@@ -236,6 +236,4 @@ def test_a_choice_that_fails_fails_the_whole_response_and_frees_every_choice(sys
         assert "--max-in-flight" in raised.value.body["message"]
     finally:
         router.config = original
-    settled = system.wait_idle()
-    assert settled.requests_in_flight == 0
-    assert all(w.kv_blocks_free == w.kv_blocks_total for w in settled.workers)
+    _assert_nothing_held(system)

@@ -467,7 +467,7 @@ def test_auto_tool_calls_in_a_hermes_template_are_parsed(system, client):
     (the 135M model rarely writes one unasked, so a regex makes it write one here)."""
     tokenizer = system.system.router.tokenizer
     original = tokenizer.chat_template
-    tokenizer.chat_template, tokenizer._compiled_template = HERMES_TEMPLATE, None
+    tokenizer.use_chat_template(HERMES_TEMPLATE)
     try:
         call_format = (
             r'Let me check\. <tool_call>\n\{"name": "get_weather", "arguments": '
@@ -509,4 +509,4 @@ def test_auto_tool_calls_in_a_hermes_template_are_parsed(system, client):
         )
         assert back.usage.prompt_tokens > answer.usage.prompt_tokens
     finally:
-        tokenizer.chat_template, tokenizer._compiled_template = original, None
+        tokenizer.use_chat_template(original)
