@@ -248,6 +248,8 @@ class _PoolCollector:
                 ("kv_blocks_total", "KV-cache blocks"),
                 ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
                 ("rss_bytes", "Resident memory of the worker process"),
+                ("decode_steps", "Engine steps that only decoded (no prompt tokens), since start"),
+                ("decode_step_seconds", "Time of those steps, since start"),
                 (
                     "borrowed_core_steps",
                     "Engine steps the worker ran on cores borrowed from idle workers of its node, since start",
@@ -294,6 +296,8 @@ class _PoolCollector:
                 if load.kv_blocks_total
                 else 0.0,
                 "rss_bytes": load.rss_bytes,
+                "decode_steps": load.decode_steps,
+                "decode_step_seconds": load.decode_steps_s,
                 "borrowed_core_steps": load.borrowed_core_steps,
                 "lent_core_wait_seconds": load.lent_core_wait_s,
                 "lent_core_pauses": load.lent_pauses,
