@@ -276,8 +276,9 @@ def run_router_loop(main) -> None:
 
 def init_ray(config: ServeConfig) -> None:
     if config.address == "local":
-        # Every server on loopback (DESIGN.md). Ray reads this when it is imported, so it must be set
-        # before the first `import ray` in this process (tests/conftest.py sets it for the test run).
+        # Every server on loopback (docs/architecture.md, Serving). Ray reads this when it is imported,
+        # so it must be set before the first `import ray` in this process (tests/conftest.py sets it
+        # for the test run).
         if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
             log.warning(
                 "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set: its servers may not stay on loopback"

@@ -4,7 +4,8 @@ workers lend each other (runtime/cores.py).
 
 `os.cpu_count()` is the host's count: in a container limited to 2 CPUs on a 64-core host it says 64, and
 torch threads sized to it spin 16 to a core (two torch processes each spinning two threads on two cores
-slow decode 10-20x, DESIGN.md). Torch-free: the router's process reads it too.
+slow decode 10-20x: docs/benchmarks-archive.md, 2026-12-02, SLO-aware core sharing). Torch-free: the
+router's process reads it too.
 """
 
 from __future__ import annotations

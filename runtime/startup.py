@@ -34,8 +34,9 @@ def granted_cpus() -> int:
 
 
 def start_engine(config: EngineConfig) -> LLMEngine:
-    # Two torch processes each spinning two threads on two cores slow decode 10-20x (DESIGN.md):
-    # a worker uses exactly the CPUs it was granted.
+    # Two torch processes each spinning two threads on two cores slow decode 10-20x
+    # (docs/benchmarks-archive.md, 2026-12-02, SLO-aware core sharing): a worker uses exactly the
+    # CPUs it was granted.
     threads = granted_cpus()
     torch.set_num_threads(threads)
     # "auto" resolves here, on the worker's node: cuda where Ray gave this actor a GPU (it asked for one).
