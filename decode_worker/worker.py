@@ -1,10 +1,11 @@
 """The decode worker: reserves KV blocks before a transfer starts, installs arriving KV, admits each
 request into its running batch (continuous batching) and streams its tokens.
 
-A disaggregated request arrives in two calls from the router, in this order: `reserve` (blocks set
-aside, with a deadline) -> `admit` (with the KV deliveries of a routed transport).
-The KV may become ready before or after `admit`; either way the request joins the batch at the next
-step once both have happened. Ready KV that nobody claims within the reservation's deadline is freed.
+A disaggregated request arrives in two calls, in this order: `reserve` from the router (blocks set
+aside, with a deadline) -> `admit` from the prefill worker, directly (its first token, and the KV
+deliveries of a routed transport, installed here and acknowledged to that prefill worker directly).
+The KV may become ready before or after `admit` (grpc streams it in-band); either way the request
+joins the batch at the next step once both have happened. Ready KV that nobody claims within the reservation's deadline is freed.
 In colocated mode `admit_colocated` runs the whole request here. Tokens of every request leave through
 one gRPC server stream that the router subscribes to once (`output_address` says where): one message
 per engine step, not one per request per step. It is not a Ray streaming generator: those cost the
@@ -32,6 +33,7 @@ from protocol.addresses import host_port
 from protocol.messages import WorkerInfo, WorkerLoad
 from protocol.requests import (
     AbortRequest,
+    AcknowledgeRequest,
     AdmitColocatedRequest,
     AdmitRequest,
     RenewRequest,
@@ -89,6 +91,7 @@ class DecodeWorker(ParkingEndpoints):
             transport, self.engine.kv_cache, self.engine.allocator, **receiver_options
         )
         self._handoffs: dict[str, _Handoff] = {}  # engine thread only
+        self._acknowledgements: set[asyncio.Task] = set()  # to prefill workers, under way
         self._next_unclaimed_check_s = 0.0
         # request id -> expiry (monotonic s): aborts that found nothing, in case their request's own
         # reserve call is yet to run here
@@ -158,22 +161,42 @@ class DecodeWorker(ParkingEndpoints):
             lambda: self.receiver.renew(request.request_id, request.timeout_s), mid_step=True
         )
 
-    async def deliver(self, deliveries: Sequence) -> None:
-        # a failure is reported to the request's stream by the next poll
+    async def deliver(self, deliveries: Sequence) -> bool:
+        """Installs a routed transport's deliveries; True once the request has all its KV. A failure is
+        reported to the request's stream by the next poll."""
+        ready = False
         for delivery in deliveries:
             try:
-                await asyncio.to_thread(self.receiver.deliver, delivery)
+                ready = await asyncio.to_thread(self.receiver.deliver, delivery)
             except KVTransferError as error:
                 log.warning("KV delivery failed: %s", error)
-                return
+                return False
+        return ready
 
     async def admit(self, request: AdmitRequest) -> None:
-        """The request joins the running batch as soon as its KV is ready (now, if it already is).
-        `deliveries` are a routed transport's KV messages (ray): installed here, in the same call (each
-        Ray call costs the router about 1 ms of CPU)."""
+        """From the prefill worker: the request joins the running batch as soon as its KV is ready (now,
+        if it already is). `deliveries` are a routed transport's KV messages (ray, rdt): installed here,
+        in the same call, and acknowledged to `acknowledge_to` (the prefill worker) as soon as all are,
+        so its sender frees the blocks; neither message passes through the router."""
         admission = _Admission(list(request.prompt_ids), request.first_token_id, request.params)
         await self.loop.call(lambda: self._admit(request.request_id, admission))
-        await self.deliver(request.deliveries)
+        if await self.deliver(request.deliveries) and request.acknowledge_to is not None:
+            self._acknowledge(request.acknowledge_to, request.request_id)
+
+    def _acknowledge(self, prefill, request_id: str) -> None:
+        """Best effort: a lost acknowledgement (the prefill worker died) costs nothing, and one that
+        never comes is the lease's to settle."""
+        call = prefill.acknowledge.remote(AcknowledgeRequest(request_id))
+
+        async def acknowledged() -> None:
+            try:
+                await call
+            except Exception as error:
+                log.warning("acknowledging the KV of request %s failed: %s", request_id, error)
+
+        task = asyncio.get_running_loop().create_task(acknowledged())
+        self._acknowledgements.add(task)
+        task.add_done_callback(self._acknowledgements.discard)
 
     # -- colocated path ------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ Sender (prefill worker)
     send_layers(request_id, layers) -> Optional[KVDelivery]
         Ships layers as soon as they are computed (or all of them at once). The payload is copied out
         of the cache before this returns, so the cache may be written again. A returned delivery (ray)
-        is a small message the caller routes to the receiver's `deliver`; None means it went in-band.
+        is a small message the caller routes to the receiver's `deliver` (in serving: the prefill
+        worker, straight to the decode worker); None means it went in-band.
     acknowledge(request_id)     the receiver installed everything: blocks are freed.
     abort(request_id)           blocks freed now; the receiver learns in-band (grpc) or through the
                                 caller, who calls the receiver's `abort` (ray).

@@ -8,7 +8,7 @@ the workers' environment, a `ray` sender whose cache is on CUDA instead:
     `device_checksum` of it there (the rdt transport's integrity rule for device memory), waits for
     the gather, and keeps the buffer until ack, abort or lease expiry (the contract of every sender);
   - routes a `CudaIpcKVDelivery`: the encoded header, the CUDA IPC handle of the buffer as plain
-    Python values (the router, which never imports torch, carries it), and its GPU's UUID.
+    Python values (it travels between the workers in a Ray call), and its GPU's UUID.
 The receiver opens the handle only if its own cache is on the GPU of that UUID, copies the group into
 a buffer of its own, verifies the checksum on that copy (so a buffer a sender reused after an abort is
 caught, never installed) and installs it. A receiver on another GPU fails the request at the first
@@ -33,7 +33,7 @@ ENV = "PDSERVE_KV_CUDA_IPC"
 @dataclass(frozen=True)
 class CudaIpcKVDelivery:
     """One layer group shared in device memory: the encoded `KVGroupHeader`, `share`'s handle and
-    the UUID of the GPU holding it. Plain values only: it travels through the router."""
+    the UUID of the GPU holding it. Plain values only: it travels in a Ray call (prefill -> decode)."""
 
     header: bytes
     handle: tuple

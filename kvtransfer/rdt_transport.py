@@ -17,7 +17,8 @@ What Ray 2.60 offers (alpha), and what this uses
 How a handoff moves (nothing travels through the object store but the small routed message)
     The sender (prefill worker) copies a layer group into a staging buffer on the cache's device,
     checksums it and keeps it; only `RdtKVDelivery` (the encoded `KVGroupHeader`, the sender actor's
-    handle and the sender's key) is routed, as for `ray`, by the caller to the receiver's `deliver`. The
+    handle and the sender's key) is routed, as for `ray`, by the caller to the receiver's `deliver`
+    (in serving: the prefill worker, straight to the decode worker). The
     receiver (decode worker) pulls: it calls the sender actor for the staged tensor with
     `tensor_transport=backend` (so this process owns the ref), passes that ref to an install task on its
     own actor, and Ray moves the bytes sender -> receiver over the group. The install task verifies the

@@ -6,7 +6,7 @@ answers None (`DecodeWorker.reserve`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,6 @@ class PrefillResult:
     kv_bytes: int
     # time.time() the KV handoff started (wall clock: comparable across processes)
     kv_sent_wall_s: float
-    # routed transport messages (ray: header + ObjectRef); () in-band
-    deliveries: tuple[Any, ...] = ()
     # The worker's KV hash events since its previous result ((stored?, hash), oldest first): the router's
     # prefix index of the prefill pool is fed from these (protocol/token_stream.py's KVEvent).
     kv_events: tuple[tuple[bool, bytes], ...] = ()

@@ -1,12 +1,14 @@
-"""The router's requests to the workers (Ray actor calls), one frozen dataclass per call; the replies
-are in `messages`. A worker method takes exactly one of these, so a call reads by field name, not by
-position. Sampling parameters travel as the engine's `SamplingParams` (typed `Any` here: this package
-imports nothing of ours).
+"""The requests to the workers (Ray actor calls), one frozen dataclass per call; the replies are in
+`messages`. A worker method takes exactly one of these, so a call reads by field name, not by position.
+Sampling parameters and actor handles travel as they are (typed `Any` here: this package imports
+nothing of ours).
 
-Per request, disaggregated: `ReserveRequest` (decode) -> `PrefillRequest` (prefill; `RenewRequest` to
-the decode worker meanwhile) -> `AdmitRequest` (decode) -> `AcknowledgeRequest` (prefill, routed
-transports only) and, if the request ends early, `AbortRequest` to either. Colocated, or prefilled on
-its decode worker: `AdmitColocatedRequest`.
+Per request, disaggregated, from the router: `ReserveRequest` (decode) -> `PrefillRequest` (prefill;
+`RenewRequest` to the decode worker while it waits) and, if the request ends early, `AbortRequest` to
+either. The KV handoff then goes worker to worker, not through the router: `AdmitRequest` (prefill ->
+decode: the first token, and a routed transport's KV deliveries) -> `AcknowledgeRequest` (decode ->
+prefill, routed transports only: grpc acknowledges on its KV stream). Colocated, or prefilled on its
+decode worker: `AdmitColocatedRequest` (router -> decode).
 """
 
 from __future__ import annotations
@@ -38,18 +40,22 @@ class RenewRequest:
 @dataclass(frozen=True)
 class PrefillRequest:
     """Prefill worker: run the prompt, answer with its first token (`messages.PrefillResult`) and hand
-    its KV to the decode worker at `destination`."""
+    the request to the decode worker that reserved its KV: the KV to `destination` (grpc) or in the
+    `AdmitRequest` it sends `decode` itself (ray, rdt)."""
 
     request_id: str
     prompt_ids: Sequence[int]
     params: Any  # engine.sampling_params.SamplingParams
     destination: Optional[str]  # the decode worker's KV address (grpc transport), else None
     skip_blocks: int = 0  # leading prompt blocks the decode worker reused: not sent
+    # the decode worker's actor handle: its `admit` is called by the prefill worker, not the router
+    decode: Any = None
 
 
 @dataclass(frozen=True)
 class AdmitRequest:
-    """Decode worker: decode a prompt whose KV it reserved, from its first token on."""
+    """Decode worker, from the prefill worker: decode a prompt whose KV it reserved, from its first
+    token on."""
 
     request_id: str
     prompt_ids: Sequence[int]
@@ -57,6 +63,8 @@ class AdmitRequest:
     params: Any  # engine.sampling_params.SamplingParams
     # a routed transport's KV messages (ray: header + ObjectRef), installed in the same call; () in-band
     deliveries: tuple[Any, ...] = ()
+    # the prefill worker's actor handle, told directly once `deliveries` are installed; None in-band
+    acknowledge_to: Any = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,7 @@ class AdmitColocatedRequest:
 
 @dataclass(frozen=True)
 class AcknowledgeRequest:
-    """Prefill worker: the decode side installed the request's KV; its blocks may be freed."""
+    """Prefill worker, from the decode worker: it installed the request's KV; its blocks may be freed."""
 
     request_id: str
 

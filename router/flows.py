@@ -2,8 +2,10 @@
 
 - `disaggregated`: reserve KV blocks on a decode worker (router/reservation.py) -> prefill on a prefill
   worker, whose first token streams at once (the decode reservation renewed while the prompt waits)
-  -> admit on the decode worker (with a routed transport's KV deliveries) -> its tokens; the first
-  decoded chunk says the KV is installed, and the prefill worker may free its blocks.
+  -> the decode worker's tokens. The handoff between them is theirs: the prefill worker admits the
+  request on the decode worker itself (first token, and a routed transport's KV deliveries), and the
+  decode worker acknowledges the KV to it; the first decoded chunk tells the router the KV is
+  installed (the prefill worker holds nothing of it any more, or soon: the lease settles a lost ack).
 - `local`: the whole request on one worker: a colocated worker, or a disaggregated system's decode
   worker prefilling it itself (router/pd_policy.py).
 
@@ -17,7 +19,7 @@ import contextlib
 import time
 from typing import AsyncIterator
 
-from protocol.requests import AdmitColocatedRequest, AdmitRequest, PrefillRequest, RenewRequest
+from protocol.requests import AdmitColocatedRequest, PrefillRequest, RenewRequest
 from router.chunks import read_chunks
 from router.counting import Count
 from router.failures import RequestAborted
@@ -79,13 +81,21 @@ class Flows:
             route = self._registry.track(record, wid, prefill, decode)
             # The reservation's clock is renewed while the prompt waits in the prefill queue: a long
             # queue must never expire it (its timeout is for KV that stopped coming, not for KV not
-            # yet computed). The prefill worker skips the blocks the decode worker reused.
+            # yet computed). The prefill worker skips the blocks the decode worker reused, and hands the
+            # request to the decode worker itself.
             renewal = RenewRequest(wid, self._kv_timeout_s)
             with route.prefill_count:
                 result = await client.prefill(
                     prefill,
                     record,
-                    PrefillRequest(wid, prompt.ids, params, decode.info.kv_address, reused_blocks),
+                    PrefillRequest(
+                        wid,
+                        prompt.ids,
+                        params,
+                        decode.info.kv_address,
+                        reused_blocks,
+                        decode=decode.actor,
+                    ),
                     every_s=self._kv_timeout_s / 3,
                     tick=lambda: client.renew(decode, renewal),
                 )
@@ -121,18 +131,12 @@ class Flows:
         yield self._output.item(
             progress, first, None, decode.worker_id, first_logprobs, result.prompt_logprobs
         )
-        await client.admit(
-            decode,
-            record,
-            AdmitRequest(wid, prompt.ids, result.first_token_id, params, result.deliveries),
-        )
         async for chunk in read_chunks(
             route, client, self._stream_interval, coalesce=not params.stop
         ):
-            if chunk.kv_ready_wall_s is not None:
+            if chunk.kv_ready_wall_s is not None:  # acknowledged to the prefill worker already
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
                 route.prefill_released = True
-                client.kv_installed(prefill, wid, result)
             yield self._output.item(
                 progress, chunk.token_ids, chunk.finish_reason, decode.worker_id, chunk.logprobs
             )

@@ -1,9 +1,9 @@
 """The router's calls to its workers: one method per Ray call, each sending its typed message
 (protocol/requests.py). What the flows need not know lives here: a worker's death during a request's
 call becomes `WorkerLost` (the request migrates) and its abort `RequestAborted`; best-effort calls
-(renew, abort, acknowledge) run in the background, their failures logged; and whether the KV
-handoff's acknowledgement travels through the router depends on the transport (a routed transport,
-ray, returns deliveries with the prefill's result; grpc acknowledges in-band)."""
+(renew, abort) run in the background, their failures logged. The KV handoff is not among them: the
+prefill worker admits the request on its decode worker, which acknowledges the KV back to it, on every
+transport (protocol/requests.py's `AdmitRequest`, `AcknowledgeRequest`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ from typing import Optional
 from protocol.messages import PrefillResult
 from protocol.requests import (
     AbortRequest,
-    AcknowledgeRequest,
     AdmitColocatedRequest,
-    AdmitRequest,
     PrefillRequest,
     RenewRequest,
     ReserveRequest,
@@ -54,11 +52,6 @@ class WorkerClient:
         prompt waits (the decode reservation's renewal)."""
         return await self._call(worker, record, worker.actor.prefill.remote(request), every_s, tick)
 
-    async def admit(
-        self, worker: WorkerHandle, record: RequestRecord, request: AdmitRequest
-    ) -> None:
-        await self._call(worker, record, worker.actor.admit.remote(request))
-
     async def admit_colocated(
         self, worker: WorkerHandle, record: RequestRecord, request: AdmitColocatedRequest
     ) -> None:
@@ -81,12 +74,6 @@ class WorkerClient:
 
     def abort(self, worker: WorkerHandle, request_id: str) -> None:
         self._fire(worker.actor.abort.remote(AbortRequest(request_id)))
-
-    def kv_installed(self, prefill: WorkerHandle, request_id: str, result: PrefillResult) -> None:
-        """The decode worker installed the KV: the prefill worker may free its blocks. A routed
-        transport's acknowledgement travels the way its deliveries did (grpc's is in-band)."""
-        if result.deliveries:
-            self._fire(prefill.actor.acknowledge.remote(AcknowledgeRequest(request_id)))
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -91,7 +91,7 @@ def test_ray_round_trip_is_bit_identical(ray_pair, layout, num_blocks, mode):
     assert readiness[-1] and not any(readiness[:-1])  # ready only once the last group is in
     assert receiver.poll().ready == {"r": reserved}
     assert torch.equal(receiver_end.blocks_bytes(reserved), sender_end.blocks_bytes(blocks))
-    sender.acknowledge("r")  # the caller relays the ack (through the router in the system)
+    sender.acknowledge("r")  # the caller relays the ack (the decode worker, in the system)
     receiver_end.allocator.free(reserved)
 
 
