@@ -213,8 +213,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--autoscale",
-        action="store_true",
-        help="grow/shrink each pool from queue time, TTFT and KV use",
+        nargs="?",
+        const="reactive",
+        default=None,
+        choices=["reactive", "plan"],
+        help="grow/shrink each pool from queue time, TTFT and KV use; plan: steer the pools to the "
+        "sizes of --autoscale-plan for the arrival rate, growing past them only under pressure",
+    )
+    p.add_argument(
+        "--autoscale-plan",
+        default=None,
+        metavar="FILE",
+        help="with --autoscale plan: `pdserve plan --json` output (one plan, or a JSON list of plans "
+        "for several rates)",
     )
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=4)
@@ -345,15 +356,30 @@ def _serve_config(args: argparse.Namespace, **overrides):
         lend_cores=args.lend_cores,
         slo=args.slo,
     )
+    if (args.autoscale == "plan") != (args.autoscale_plan is not None):
+        raise ValueError("--autoscale plan and --autoscale-plan FILE go together")
     if args.autoscale:
-        from router.autoscaler import AutoscaleConfig
+        from router.autoscaler import AutoscaleConfig, PlanTarget
 
+        plan = PlanTarget.load(args.autoscale_plan) if args.autoscale == "plan" else None
+        if plan is not None and plan.mode != args.mode:
+            raise ValueError(
+                f"--autoscale-plan plans a {plan.mode} system; this one is --mode {args.mode}"
+            )
+        if plan is not None and args.cpus_per_worker is not None:
+            planned = {size.cpus_per_worker for size in plan.sizes}
+            if planned != {args.cpus_per_worker}:
+                raise ValueError(
+                    f"--autoscale-plan sizes workers of {'/'.join(f'{c:g}' for c in sorted(planned))} "
+                    f"CPUs; this system's are --cpus-per-worker {args.cpus_per_worker:g}"
+                )
         fields["autoscale"] = AutoscaleConfig(
             min_prefill=args.min_prefill,
             max_prefill=args.max_prefill,
             min_decode=args.min_decode,
             max_decode=args.max_decode,
             cooldown_s=args.autoscale_cooldown_s,
+            plan=plan,
         )
     fields.update(overrides)
     return ServeConfig(**fields)

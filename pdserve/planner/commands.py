@@ -29,6 +29,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="timed runs per point, after a warm-up (default 3; --quick 1)",
     )
+    p.add_argument(
+        "--serving",
+        default="on",
+        choices=["on", "off", "only"],
+        help="also fit the serving path's costs on a running `pdserve serve --prefill 1 --decode 1` "
+        "(a minute or two; --quick: off); only: add them to the profile already at --out",
+    )
     p.set_defaults(handler=_profile)
 
     p = sub.add_parser(
@@ -38,9 +45,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, required=True, help="requests per second")
     p.add_argument(
         "--shape", default="1p1d@1", help="1p1d, 2p2d@0.5 (CPUs per worker), colo2, 2p1d@1/remote"
-    )
-    p.add_argument(
-        "--no-lend-cores", action="store_true", help="as `pdserve serve --lend-cores off`"
     )
     p.add_argument(
         "--decode-interleave-tokens",
@@ -70,6 +74,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=0.9,
         help="share of requests within the SLO to count as meeting it",
+    )
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="instead of searching: the best of these shapes at --rate (comma-separated, e.g. "
+        "1p1d@0.5,colo2@0.5,2p2d@0.5: alternatives for the same machine), by predicted goodput",
     )
     p.add_argument("--max-workers", type=int, default=8)
     p.add_argument("--cpus-per-worker", default="0.5,1,2", help="comma-separated choices")
@@ -101,22 +111,50 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cores per node (default: the profiled machine's)",
     )
+    p.add_argument(
+        "--no-lend-cores",
+        action="store_true",
+        help="as `pdserve serve --lend-cores off` (and for GPU profiles: a worker is one device)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="the engine's token budget per step (the GPU check ran 8192)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
 def _profile(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from pdserve.planner.profile import Profile
     from pdserve.planner.profiler import ProfileGrid, measure
 
-    grid = (
-        ProfileGrid.quick()
-        if args.quick
-        else ProfileGrid(transports=tuple(args.transports.split(",")))
-    )
-    if args.repeats is not None:
-        grid = dataclasses.replace(grid, repeats=args.repeats)
-    profile = measure(grid, args.dtype, log=lambda line: print(line, file=sys.stderr, flush=True))
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.serving == "only":
+        profile = Profile.load(args.out)
+    else:
+        grid = (
+            ProfileGrid.quick()
+            if args.quick
+            else ProfileGrid(transports=tuple(args.transports.split(",")))
+        )
+        if args.repeats is not None:
+            grid = dataclasses.replace(grid, repeats=args.repeats)
+        profile = measure(grid, args.dtype, log=log)
+        profile.save(args.out)  # kept if the serving probe fails
+    if args.serving == "only" or (args.serving == "on" and not args.quick):
+        from pdserve.planner.serving_probe import measure_serving
+
+        serving = measure_serving(profile, log=log)
+        log(
+            f"serving path: {serving.request_s * 1e3:.1f} ms per request, decode step "
+            f"+{serving.step_s * 1e3:.2f} ms + {serving.token_s * 1e3:.2f} ms per token"
+        )
+        profile = profile.with_serving(serving)
     profile.save(args.out)
     print(
         f"wrote {args.out}: {profile.machine['cpu_model']}, {profile.machine['cpu_capability']}, "
@@ -147,6 +185,7 @@ def _simulate(args: argparse.Namespace) -> int:
         transport=args.transport,
         lend_cores=not args.no_lend_cores,
         decode_interleave_tokens=args.decode_interleave_tokens or None,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     report = simulate(profile, shape, slo, workload.requests(args.rate), args.node_cores)
     if args.json:
@@ -158,13 +197,16 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pdserve.planner.search import SearchSpace, cheapest, highest_rate
+    from pdserve.planner.search import SearchSpace, best_of, cheapest, highest_rate
+    from pdserve.planner.shape import SystemShape
 
     profile, workload, slo = _inputs(args)
     space = SearchSpace(
         max_workers=args.max_workers,
         cpus_per_worker=tuple(float(c) for c in args.cpus_per_worker.split(",")),
         transport=args.transport,
+        lend_cores=not args.no_lend_cores,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     # a transport the profile lacks: one clear error before searching
     profile.handoff_s(1, args.transport)
@@ -186,6 +228,16 @@ def _plan(args: argparse.Namespace) -> int:
             args.node_cores,
             log=log,
         )
+    elif args.shapes:
+        if args.rate is None:
+            raise ValueError("--shapes needs --rate")
+        settings = dict(
+            transport=args.transport,
+            lend_cores=not args.no_lend_cores,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        shapes = [SystemShape.parse(text, **settings) for text in args.shapes.split(",")]
+        plan = best_of(profile, workload, slo, args.rate, shapes, args.node_cores, log=log)
     else:
         if args.rate is None:
             raise ValueError("plan needs --rate (or --max-rate --cluster-cpus N)")

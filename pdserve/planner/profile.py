@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 VERSION = 1
 
@@ -40,6 +40,27 @@ class HandoffPoint:
 
 
 @dataclass(frozen=True)
+class ServingCosts:
+    """The serving path's own costs beyond the engine steps, fitted on a running system
+    (serving_probe.measure_serving): what a request and a decode step cost between the client and the
+    engine (the router, Ray calls, the token stream, the client) on the machine the workers share, and
+    what a step run on cores borrowed from another worker costs beyond the engine's own step."""
+
+    request_s: float  # per request: admission, tokenization, the calls before and after its prefill
+    step_s: float  # per decode step: the engine loop's own work and the step's stream item
+    token_s: float  # per token of a decode step: its way through the router to the client
+    # the calibration runs' measured and engine-only figures, for the record
+    fitted_from: dict = field(default_factory=dict)
+    # a step on borrowed cores (runtime/cores.py) beyond the engine's step at that thread count:
+    # taking the cores and changing torch's thread count for one step, and back
+    borrow_prefill_s: float = 0.0
+    borrow_decode_s: float = 0.0
+
+    def decode_step_s(self, batch_size: int) -> float:
+        return self.step_s + batch_size * self.token_s
+
+
+@dataclass(frozen=True)
 class Profile:
     machine: dict  # cpu_model, cpu_capability, cores, torch, model, dtype
     kv_bytes_per_token: int
@@ -50,6 +71,10 @@ class Profile:
     handoff: tuple[HandoffPoint, ...]
     version: int = VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # None: the engine alone (a profile without a serving calibration, or --quick)
+    serving: Optional[ServingCosts] = None
+    # KV tokens one decode worker holds (`pdserve serve`'s default cache); None: unlimited
+    kv_capacity_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -124,6 +149,9 @@ class Profile:
 
     # -- JSON ------------------------------------------------------------------------------------
 
+    def with_serving(self, serving: Optional[ServingCosts]) -> "Profile":
+        return replace(self, serving=serving)
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -141,6 +169,8 @@ class Profile:
             decode=tuple(DecodePoint(**p) for p in data["decode"]),
             handoff=tuple(HandoffPoint(**p) for p in data["handoff"]),
             notes=tuple(data.get("notes", ())),
+            serving=ServingCosts(**data["serving"]) if data.get("serving") else None,
+            kv_capacity_tokens=data.get("kv_capacity_tokens"),
         )
 
     def save(self, path: str | Path) -> None:

@@ -113,9 +113,14 @@ def measure(
             )
     router_s = _router_s_per_token(engine.tokenizer, random_prompt)
     log(f"router work per streamed token: {router_s * 1e6:.1f} us")
+    from engine.kv_cache import auto_kv_cache_bytes
+
+    kv_bytes_per_token = engine.layout.bytes_per_block // engine.layout.block_size_tokens
     return Profile(
         machine=machine_facts(str(engine.layout.torch_dtype).removeprefix("torch.")),
-        kv_bytes_per_token=engine.layout.bytes_per_block // engine.layout.block_size_tokens,
+        kv_bytes_per_token=kv_bytes_per_token,
+        # what `pdserve serve` gives each worker by default, on this node now
+        kv_capacity_tokens=auto_kv_cache_bytes("cpu") // kv_bytes_per_token,
         router_cpu_s_per_token=router_s,
         prefill=tuple(prefill),
         decode=tuple(decode),
@@ -185,7 +190,10 @@ def _decode_steps(engine, context: int, batch_sizes, repeats: int, random_prompt
                 blocks = engine.allocator.allocate(engine.allocator.blocks_needed(context))
                 engine.start_decode(request_id, prompt, prompt[-1], params, blocks)
                 request_ids.append(request_id)
-            engine.step()  # warm-up at this batch
+            # warm-up at this batch: a few steps, as the first ones after a change of thread count
+            # run slow (seen: 44 ms at batch 1 against 27 ms at batch 2)
+            for _ in range(max(repeats, 3)):
+                engine.step()
             samples = []
             for _ in range(max(repeats, 3)):
                 began = time.perf_counter()

@@ -71,7 +71,7 @@ def summarize(streams, simulation) -> Report:
     ttfts, tpots, itls, met = [], [], [], 0
     for stream in streams:
         times = stream.token_times_s
-        ttft = times[0] - stream.request.arrival_s
+        ttft = times[0] - stream.arrival_s
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         ttfts.append(ttft)
         if tpot is not None:

@@ -31,6 +31,8 @@ class SearchSpace:
     colocated: bool = True
     disaggregated: bool = True
     transport: str = "ray"
+    lend_cores: bool = True  # CPUs; GPUs lend nothing
+    max_num_batched_tokens: int = 2048
 
     def shapes(self, max_cpus: Optional[float] = None) -> list[SystemShape]:
         """Every shape of the space (within `max_cpus`), cheapest first."""
@@ -38,12 +40,12 @@ class SearchSpace:
         for cpus in self.cpus_per_worker:
             if self.colocated:
                 shapes += [
-                    SystemShape("colocated", 0, n, cpus, transport=self.transport)
+                    SystemShape("colocated", 0, n, cpus, **self._settings)
                     for n in range(1, self.max_workers + 1)
                 ]
             if self.disaggregated:
                 shapes += [
-                    SystemShape("disaggregated", p, d, cpus, policy, transport=self.transport)
+                    SystemShape("disaggregated", p, d, cpus, policy, **self._settings)
                     for p in range(1, self.max_workers)
                     for d in range(1, self.max_workers - p + 1)
                     for policy in self.pd_policies
@@ -51,6 +53,14 @@ class SearchSpace:
         if max_cpus is not None:
             shapes = [s for s in shapes if s.total_cpus <= max_cpus + 1e-9]
         return sorted(shapes, key=lambda s: (s.total_cpus, s.num_workers, str(s)))
+
+    @property
+    def _settings(self) -> dict:
+        return dict(
+            transport=self.transport,
+            lend_cores=self.lend_cores,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,17 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "shape": None if self.shape is None else str(self.shape),
+            # what `pdserve serve --autoscale plan` reads (router/autoscaler.py's PlanTarget)
+            **(
+                {}
+                if self.shape is None
+                else {
+                    "mode": self.shape.mode,
+                    "num_prefill": self.shape.num_prefill,
+                    "num_decode": self.shape.num_decode,
+                    "cpus_per_worker": self.shape.cpus_per_worker,
+                }
+            ),
             "serve_flags": None if self.shape is None else self.shape.serve_flags(),
             "cpus": None if self.shape is None else self.shape.total_cpus,
             "rate_rps": self.rate_rps,
@@ -105,6 +126,38 @@ def cheapest(
         return Plan(None, rate_rps, None, tried)
     shape, report = max(winners, key=lambda w: (w[1].slo_attainment, -w[0].num_workers))
     return Plan(shape, rate_rps, report, tried)
+
+
+def best_of(
+    profile: Profile,
+    workload: Workload,
+    slo: SLO,
+    rate_rps: float,
+    shapes: list[SystemShape],
+    node_cores: Optional[int] = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> Plan:
+    """Of `shapes` that take the same machine (say all of one node), the one with the highest goodput
+    at `rate_rps`; ties: the higher attainment, then the fewer CPUs. Simulated on the same requests."""
+    requests = workload.requests(rate_rps)
+    tried, best = [], None
+    for shape in shapes:
+        report = simulate(profile, shape, slo, requests, node_cores)
+        tried.append(
+            dict(
+                shape=str(shape),
+                cpus=shape.total_cpus,
+                slo_attainment=report.slo_attainment,
+                goodput_rps=report.goodput_rps,
+            )
+        )
+        log(
+            f"{shape}: {report.slo_attainment:.0%} within SLO, goodput {report.goodput_rps:.2f} req/s"
+        )
+        key = (round(report.goodput_rps, 6), report.slo_attainment, -shape.total_cpus)
+        if best is None or key > best[0]:
+            best = (key, shape, report)
+    return Plan(best[1], rate_rps, best[2], tried)
 
 
 def highest_rate(

@@ -15,7 +15,16 @@ What it models, and whose code decides:
   borrows the home cores of idle workers of its node, and a prefill step the cores of a worker that is
   only decoding, for the slack its streams have against the SLO's TPOT (the engine loop's formula), at
   most `CorePolicy.max_pause_tpot` budgets: that worker's next step waits meanwhile.
-Not modelled: KV capacity and preemption, Ray call latencies other than the handoff, the client.
+- the serving path (`Profile.serving`, fitted on a running system): a fixed cost per request before
+  placement (the router, Ray calls, the first token's way back), per decode step a fixed cost plus
+  one per token streamed (the stream item, the router's and client's work on the same cores), and a
+  fixed cost for a step run on borrowed cores (taking them, torch's thread count changed and back);
+- conversations: a later turn is sent its think time after the reply before it ends.
+- KV capacity (`Profile.kv_capacity_tokens` per decode worker): a request's prompt and output blocks
+  are reserved on its decode worker at placement; without room the router holds it, first come first
+  served, until a request ends.
+Not modelled: preemption (the reservation makes it unnecessary), the variance of real steps (the
+profile is medians).
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ BLOCK_SIZE_TOKENS = 16
 class _Stream:
     request: Request
     hashes: list[bytes]
+    arrival_s: float = 0.0  # the request's; a later turn's is known once the reply before it ends
+    kv_reserved_tokens: int = 0
+    follower: Optional["_Stream"] = None  # the chat's next turn
     computed_tokens: int = 0  # prompt tokens in the KV of the worker prefilling it
     # when it joined a decode batch (the engine loop's clock for slack)
     decode_started_s: float = 0.0
@@ -71,6 +83,7 @@ class _Worker:
     busy_until_s: Optional[float] = None  # in a step until then
     paused_until_s: float = 0.0  # lending its cores to a prefill until then
     prefilled_last: bool = False
+    kv_reserved_tokens: int = 0  # of the requests routed to it, from placement to their end
     busy_s: float = 0.0
     decode_steps: int = 0
     decode_steps_s: float = 0.0
@@ -98,6 +111,8 @@ class Simulation:
         self._place_on_nodes(self.prefill + self.decode)
         self._events: list = []
         self._order = itertools.count()
+        # streams the router holds until a decode worker has KV room
+        self._waiting_for_kv: deque = deque()
         self.now_s = 0.0
 
     def _worker(self, worker_id: str, role: str) -> _Worker:
@@ -129,11 +144,14 @@ class Simulation:
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self, requests: list[Request]) -> Report:
-        streams = []
+        self.streams = streams = []
         for request in requests:
-            stream = _Stream(request, _hashes(request))
+            stream = _Stream(request, _hashes(request), request.arrival_s)
             streams.append(stream)
-            self._at(request.arrival_s, self._arrive, stream)
+            if request.follows is None:
+                self._send(stream)
+            else:
+                streams[request.follows].follower = stream
         while self._events:
             self.now_s, _, action, argument = heapq.heappop(self._events)
             action(argument)
@@ -142,10 +160,17 @@ class Simulation:
                     self._start_step(worker)
         return summarize(streams, self)
 
+    def _send(self, stream: _Stream) -> None:
+        """The client sends it at its arrival; the router places it after the serving path's fixed
+        cost per request (`ServingCosts.request_s`)."""
+        serving = self.profile.serving
+        self._at(stream.arrival_s + (serving.request_s if serving else 0.0), self._arrive, stream)
+
     def _at(self, time_s: float, action, argument) -> None:
         heapq.heappush(self._events, (time_s, next(self._order), action, argument))
 
-    def _arrive(self, stream: _Stream) -> None:
+    def _arrive(self, stream: _Stream) -> bool:
+        """Places the request; False when its decode worker has no KV room (the router holds it)."""
         hashes = (
             stream.hashes[: stream.request.prompt_tokens // BLOCK_SIZE_TOKENS]
             if self.shape.routing == "prefix"
@@ -170,6 +195,9 @@ class Simulation:
                 local.cached_tokens,
             ).path
         decode = self._by_handle(local.worker)
+        if not self._reserve(decode, stream):
+            self._waiting_for_kv.append(stream)
+            return False
         decode.handle.in_flight += 1
         if path == "remote":
             prefill = self._by_handle(remote.worker)
@@ -183,6 +211,24 @@ class Simulation:
             stream.computed_tokens = local.cached_tokens
             stream.decode_worker = decode
             decode.waiting.append(stream)
+        return True
+
+    def _reserve(self, decode: _Worker, stream: _Stream) -> bool:
+        """The decode side reserves the request's blocks first (`Profile.kv_capacity_tokens` each):
+        no room, and the router holds the request (first come, first served) until some is freed."""
+        capacity = self.profile.kv_capacity_tokens
+        tokens = _blocks(stream.request.prompt_tokens + stream.request.output_tokens)
+        tokens *= BLOCK_SIZE_TOKENS
+        if capacity is not None and decode.kv_reserved_tokens + tokens > capacity:
+            if decode.kv_reserved_tokens == 0:
+                raise ValueError(
+                    f"a request of {tokens} tokens does not fit a decode worker's KV cache "
+                    f"({capacity} tokens)"
+                )
+            return False
+        decode.kv_reserved_tokens += tokens
+        stream.kv_reserved_tokens = tokens
+        return True
 
     def _by_handle(self, handle: WorkerHandle) -> _Worker:
         return next(w for w in self.prefill + self.decode if w.handle is handle)
@@ -208,7 +254,7 @@ class Simulation:
         worker.prefilled_last = is_prefill
         for stream, _ in chunks if is_prefill else ():
             if stream.queue_s is None:
-                stream.queue_s = self.now_s - stream.request.arrival_s
+                stream.queue_s = self.now_s - stream.arrival_s
         duration_s = self._duration_s(worker, is_prefill, chunks)
         worker.busy_until_s = self.now_s + duration_s
         worker.busy_s += duration_s
@@ -228,13 +274,16 @@ class Simulation:
         return (False, [(stream, 1) for stream in worker.running]) if worker.running else None
 
     def _step_s(self, worker: _Worker, is_prefill: bool, chunks, threads: int) -> float:
+        serving = self.profile.serving
+        borrowed = serving is not None and threads > len(worker.home)
         if is_prefill:
-            return sum(
+            return (serving.borrow_prefill_s if borrowed else 0.0) + sum(
                 self.profile.chunk_s(s.computed_tokens, s.computed_tokens + n, threads)
                 for s, n in chunks
             )
         context = sum(s.context_tokens for s, _ in chunks) / len(chunks)
-        return self.profile.decode_step_s(len(chunks), context, threads)
+        step_s = self.profile.decode_step_s(len(chunks), context, threads)
+        return step_s + (serving.borrow_decode_s if borrowed else 0.0)
 
     def _duration_s(self, worker: _Worker, is_prefill: bool, chunks) -> float:
         node = [w for w in self.prefill + self.decode if w.node == worker.node and w is not worker]
@@ -252,6 +301,8 @@ class Simulation:
             lenders = [o for o in node if o.idle and not o.home_shared]
             threads += sum(len(o.home) for o in lenders)
         base_s = self._step_s(worker, is_prefill, chunks, threads) * sharing
+        if not is_prefill and self.profile.serving is not None:
+            base_s += self.profile.serving.decode_step_s(len(chunks))
         if not (is_prefill and self.shape.lend_cores and not worker.home_shared):
             return base_s
         for owner in node:  # a decoding owner lends its cores within its streams' TPOT slack
@@ -340,9 +391,17 @@ class Simulation:
         worker.running.append(stream)
 
     def _finish(self, worker: _Worker, stream: _Stream) -> None:
+        if stream.follower is not None:
+            stream.follower.arrival_s = stream.token_times_s[-1] + stream.follower.request.think_s
+            self._send(stream.follower)
         if stream in worker.running:
             worker.running.remove(stream)
         worker.handle.in_flight -= 1
+        worker.kv_reserved_tokens -= stream.kv_reserved_tokens
+        while self._waiting_for_kv:  # first come, first served: the oldest first, until one fails
+            if not self._arrive(self._waiting_for_kv.popleft()):
+                self._waiting_for_kv.rotate(1)  # back to the head of the line
+                break
         self._store(worker, stream, stream.request.prompt_tokens + stream.request.output_tokens)
 
     def _store(self, worker: _Worker, stream: _Stream, tokens: int) -> None:
@@ -357,10 +416,19 @@ class Simulation:
         return self.prefill + self.decode
 
 
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE_TOKENS)
+
+
 def _hashes(request: Request) -> list[bytes]:
-    """The conversation's block chain: a later turn's prompt starts with the same blocks."""
+    """The conversation's block chain: a later turn's prompt starts with the same blocks, and every
+    conversation with the blocks of the shared prefix (a system prompt)."""
     total = request.prompt_tokens + request.output_tokens
-    return [f"{request.conversation}:{i}".encode() for i in range(total // BLOCK_SIZE_TOKENS)]
+    shared = request.shared_prefix_tokens // BLOCK_SIZE_TOKENS
+    return [
+        (f"shared:{i}" if i < shared else f"{request.conversation}:{i}").encode()
+        for i in range(total // BLOCK_SIZE_TOKENS)
+    ]
 
 
 def simulate(

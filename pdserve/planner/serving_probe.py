@@ -1,0 +1,237 @@
+"""The serving path's own costs (`ServingCosts`), fitted on a running system against the simulator.
+
+The engine steps (profiler.py) are not what a client sees: the router admits and tokenizes, Ray calls
+reach the workers, every decode step's tokens travel to the router and on to the client, all on the
+cores the workers compute on; and a step on cores borrowed from another worker (runtime/cores.py)
+costs more than the engine's step at that thread count. This probe starts `pdserve serve --prefill 1
+--decode 1` and sends it loads with `pdserve bench` (512 prompt tokens, 128 output tokens, ignore-eos):
+- with `--lend-cores off` (each worker on its own core, where the simulator's core model is exact, so
+  what is left is the serving path alone): A, one request at a time; B, `concurrency` at a time;
+- with lending on: C, one request at a time, so each step runs on the other worker's idle core too.
+The simulator runs the same loads on the profile, and what it misses is fitted:
+  request_s = TTFT_A - sim TTFT_A;  step_s + b x token_s = TPOT - sim TPOT, at b = 1 (A) and
+  b = concurrency (B); then, with those: borrow_prefill_s = TTFT_C - sim TTFT_C and
+  borrow_decode_s = TPOT_C - sim TPOT_C.
+Loads of one shape, fitted once: the validation runs (other shapes, Poisson rates) check them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional
+
+from pdserve.planner.profile import Profile, ServingCosts
+
+PROMPT_TOKENS = 512
+OUTPUT_TOKENS = 128
+_PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+def measure_serving(
+    profile: Profile,
+    concurrency: int = 4,
+    lone_requests: int = 5,
+    log: Callable[[str], None] = lambda line: None,
+) -> ServingCosts:
+    with _Server(profile, lend_cores="off") as port:
+        log(f"serving probe: pdserve serve --prefill 1 --decode 1 --lend-cores off, port {port}")
+        lone = _bench(port, lone_requests, 1, seed=5)
+        log(
+            f"  one at a time: TTFT p50 {lone['p50_ttft_ms']:.1f}, TPOT p50 {lone['p50_tpot_ms']:.1f} ms"
+        )
+        batch = _bench(port, 2 * concurrency, concurrency, seed=6)
+        log(f"  {concurrency} at a time: TPOT p50 {batch['p50_tpot_ms']:.1f} ms")
+    with _Server(profile, lend_cores="all") as port:
+        log(f"serving probe: the same with --lend-cores all, port {port}")
+        lent = _bench(port, lone_requests, 1, seed=7)
+        log(
+            f"  one at a time: TTFT p50 {lent['p50_ttft_ms']:.1f}, TPOT p50 {lent['p50_tpot_ms']:.1f} ms"
+        )
+    return fit(profile, lone, batch, lone_requests, concurrency, lent)
+
+
+def fit(
+    profile: Profile,
+    lone: dict,
+    batch: dict,
+    lone_requests: int,
+    concurrency: int,
+    lent: Optional[dict] = None,
+) -> ServingCosts:
+    """`ServingCosts` from the loads' measured figures (`pdserve bench` result keys, ms): `lone` and
+    `batch` with lending off fit the serving path; `lent`, one at a time with lending on (each step
+    then runs on the other worker's idle core too), the cost of a step on borrowed cores."""
+    from pdserve.planner.shape import SystemShape
+    from pdserve.planner.simulator import simulate
+    from router.slo import SLO
+
+    engine_only = profile.with_serving(None)
+    shape = SystemShape.parse("1p1d@0.5", lend_cores=False)
+    slo = SLO.parse("ttft:1000,tpot:50")  # only the lending slack reads it; the loads are light
+    sim_lone = simulate(engine_only, shape, slo, closed_loop(lone_requests, 1))
+    sim_batch = simulate(engine_only, shape, slo, closed_loop(2 * concurrency, concurrency))
+    request_s = max(0.0, (lone["p50_ttft_ms"] - sim_lone.ttft_ms["p50"]) / 1e3)
+    lone_extra_s = (lone["p50_tpot_ms"] - sim_lone.tpot_ms["p50"]) / 1e3
+    batch_extra_s = (batch["p50_tpot_ms"] - sim_batch.tpot_ms["p50"]) / 1e3
+    token_s = max(0.0, (batch_extra_s - lone_extra_s) / (concurrency - 1))
+    step_s = max(0.0, lone_extra_s - token_s)
+    fitted_from = {
+        "shape": "1p1d (pdserve serve --prefill 1 --decode 1)",
+        "workload": f"{PROMPT_TOKENS} in / {OUTPUT_TOKENS} out, ignore-eos",
+        "lend_cores_off_one_at_a_time": _figures(lone, sim_lone, lone_requests),
+        f"lend_cores_off_{concurrency}_at_a_time": _figures(batch, sim_batch, 2 * concurrency),
+    }
+    serving = ServingCosts(request_s, step_s, token_s, fitted_from)
+    if lent is None:
+        return serving
+    sim_lent = simulate(
+        profile.with_serving(serving),
+        SystemShape.parse("1p1d@0.5"),
+        slo,
+        closed_loop(lone_requests, 1),
+    )
+    fitted_from["lend_cores_all_one_at_a_time"] = _figures(lent, sim_lent, lone_requests)
+    return replace(
+        serving,
+        borrow_prefill_s=max(0.0, (lent["p50_ttft_ms"] - sim_lent.ttft_ms["p50"]) / 1e3),
+        borrow_decode_s=max(0.0, (lent["p50_tpot_ms"] - sim_lent.tpot_ms["p50"]) / 1e3),
+    )
+
+
+def closed_loop(requests: int, concurrency: int):
+    """`requests` of 512/128 sent `concurrency` at a time, each slot's next as the one before ends
+    (`pdserve bench --request-rate inf --max-concurrency C`), for the simulator."""
+    from pdserve.planner.workload import Request
+
+    return [
+        Request(
+            0.0,
+            PROMPT_TOKENS,
+            OUTPUT_TOKENS,
+            index,
+            0,
+            follows=index - concurrency if index >= concurrency else None,
+        )
+        for index in range(requests)
+    ]
+
+
+def _figures(measured: dict, simulated, requests: int) -> dict:
+    return {
+        "requests": requests,
+        "measured_ttft_p50_ms": measured["p50_ttft_ms"],
+        "measured_tpot_p50_ms": measured["p50_tpot_ms"],
+        "engine_only_ttft_p50_ms": simulated.ttft_ms["p50"],
+        "engine_only_tpot_p50_ms": simulated.tpot_ms["p50"],
+    }
+
+
+class _Server:
+    """`pdserve serve --prefill 1 --decode 1` on a free port, stopped (SIGTERM) on exit."""
+
+    def __init__(self, profile: Profile, lend_cores: str):
+        dtype = profile.machine.get("dtype", "auto")
+        self.port = _free_port()
+        self.command = [
+            *_PDSERVE,
+            "serve",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--lend-cores",
+            lend_cores,
+            "--port",
+            str(self.port),
+        ] + ([] if dtype == "auto" else ["--dtype", dtype])
+
+    def __enter__(self) -> int:
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            _wait_ready(self.port, self.process)
+            _bench(self.port, 2, 1, seed=99)  # warm-up, not recorded
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.port
+
+    def __exit__(self, *exc) -> None:
+        self.process.send_signal(signal.SIGTERM)  # serve stops on SIGTERM
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _bench(port: int, requests: int, concurrency: int, seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.json"
+        subprocess.run(
+            [
+                *_PDSERVE,
+                "bench",
+                "--backend",
+                "grpc",
+                "--port",
+                str(port),
+                "--dataset",
+                "random",
+                "--random-input-len",
+                str(PROMPT_TOKENS),
+                "--random-output-len",
+                str(OUTPUT_TOKENS),
+                "--num-prompts",
+                str(requests),
+                "--max-concurrency",
+                str(concurrency),
+                "--seed",
+                str(seed),
+                "--metric-percentiles",
+                "50",
+                "--disable-tqdm",
+                "--save-result",
+                "--result-file",
+                str(result),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        figures = json.loads(result.read_text())["results"][0]
+    if figures["failed"]:
+        raise RuntimeError(f"serving probe: {figures['failed']} request(s) failed")
+    return figures
+
+
+def _wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    from pdserve.client import PdserveClient
+
+    deadline = time.monotonic() + timeout_s
+    with PdserveClient("127.0.0.1", port) as client:
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"serving probe: pdserve serve exited with {server.returncode}")
+            if client.wait_ready(2.0):
+                return
+    raise TimeoutError(f"serving probe: pdserve serve not ready within {timeout_s:.0f} s")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
