@@ -5,7 +5,7 @@ node has nothing to compute, its cores sit idle: in a 1 prefill + 1 decode syste
 decode worker prefills a conversation's later turn on one core while the prefill worker's core waits
 for a prompt. `CoreShare` lets a worker borrow such cores for (at most) one engine step at a time, and guarantees
 that the threads of all workers never exceed the node's cores (two torch processes each spinning two
-threads on two cores slow decode 10-20x, DESIGN.md).
+threads on two cores slow decode 10-20x: docs/benchmarks-archive.md, 2026-12-02, SLO-aware core sharing).
 
 The agreement is kept in lock files, one per core, in a directory every worker of the node opens
 (`/dev/shm`, so nothing outlives a reboot; a process that dies drops its locks with it):
@@ -26,10 +26,10 @@ The agreement is kept in lock files, one per core, in a directory every worker o
   runs anyway, logs it, and keeps its `want` lock until it has the core back.
 - Cores are shared by the SLO, not only when idle. A prefill step that could not borrow a core because
   its owner is busy *asks* for it (a shared lock on the core's `ask` file) and tries again between
-  layers. An owner that is only decoding, whose streams have TPOT slack (`lend_within`: the time each
-  stream is ahead of `CorePolicy.tpot_budget_s` per token, less its next step), lends its home cores
-  to the asker for at most that slack, and at most `max_pause_tpot` TPOT budgets at a time, then takes
-  them back as above. So a prompt prefills on both cores while decoding streams stay within the SLO.
+  layers. An owner that is only decoding, whose streams have TPOT slack (`decode_slack_s`: the time each
+  stream is ahead of `CorePolicy.tpot_budget_s` per token, less its next step), lends its home cores to the asker for at most that slack, and at most `max_pause_tpot` TPOT
+  budgets at a time, then takes them back as above. So a prompt prefills on both cores while decoding
+  streams stay within the SLO.
 
 Lock calls are a few microseconds; a step is tens of milliseconds at least.
 """
@@ -90,6 +90,39 @@ class CorePolicy:
             return Path(self.directory)
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         return base / f"pdserve-cores-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class StreamProgress:
+    """A decoding stream, as the decision to lend a decoding worker's cores sees it."""
+
+    output_tokens: int  # decoded so far
+    max_tokens: int
+    decoding_s: float  # since it started decoding on this worker
+
+
+def decode_slack_s(
+    streams: list[StreamProgress], step_s: float, policy: CorePolicy
+) -> Optional[float]:
+    """How long a decoding worker's next step may wait, for a prefill that asks for its cores, with every
+    stream expected to end within `tpot_share` of the TPOT budget: None when no budget is set. A stream
+    is expected to run to its max_tokens, at most `SLACK_HORIZON_TOKENS` more, at the mean decode step
+    `step_s`: so a young stream may lend the time it will save later, not only what it saved. A stream
+    that misses the budget itself even if never paused again does not hold the cores back (it misses
+    either way); when every stream does, None: the worker is overloaded and its cores decode. Shared with
+    the planner's simulator, so the two cannot drift."""
+    budget_s = policy.tpot_budget_s
+    if budget_s is None:
+        return None
+    slacks = []
+    for stream in streams:
+        tokens = stream.output_tokens
+        final_tokens = max(tokens, min(stream.max_tokens, tokens + SLACK_HORIZON_TOKENS))
+        needed_s = stream.decoding_s + (final_tokens - tokens + 1) * step_s
+        if needed_s > budget_s * final_tokens:
+            continue
+        slacks.append(policy.tpot_share * budget_s * final_tokens - needed_s)
+    return min(slacks, default=None)
 
 
 class CoreShare:

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 from engine.llm_engine import LLMEngine, RequestOutput
-from runtime.cores import SLACK_HORIZON_TOKENS, CoreShare
+from runtime.cores import CoreShare, StreamProgress, decode_slack_s
 
 log = logging.getLogger(__name__)
 
@@ -137,31 +137,23 @@ class EngineLoop:
                 self._wake.clear()
 
     def _decode_slack_s(self) -> Optional[float]:
-        """How long the next decode step may wait with every running stream still expected to end within
-        its share of the TPOT budget (`CorePolicy.tpot_budget_s` x `tpot_share`): None when the worker has
-        prompt work of its own or no budget is set. A stream's clock starts when it started decoding here,
-        and it is expected to run to its max_tokens, at most `SLACK_HORIZON_TOKENS` more, at the mean
-        decode step: so a young stream may lend the time it will save later, not only what it saved."""
-        budget_s = self.cores.policy.tpot_budget_s
+        """How long the next decode step may wait with every running stream that can still meet its share
+        of the TPOT budget expected to (`runtime.cores.decode_slack_s`): None when the worker has prompt
+        work of its own, no budget is set, or no stream can. A stream's clock starts when it started
+        decoding here."""
         scheduler = self.engine.scheduler
-        if budget_s is None or scheduler.waiting or not scheduler.running or not self.decode_steps:
+        if scheduler.waiting or not scheduler.running or not self.decode_steps:
             return None
         if any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in scheduler.running):
             return None
-        step_s = self.decode_steps_s / self.decode_steps
-        share = self.cores.policy.tpot_share
         now = time.monotonic()
-
-        def slack_s(seq) -> float:
-            tokens = len(seq.output_token_ids)
-            final_tokens = max(tokens, min(seq.params.max_tokens, tokens + SLACK_HORIZON_TOKENS))
-            return (
-                share * budget_s * final_tokens
-                - (now - seq.arrival_time_s)
-                - (final_tokens - tokens + 1) * step_s
+        streams = [
+            StreamProgress(
+                len(seq.output_token_ids), seq.params.max_tokens, now - seq.arrival_time_s
             )
-
-        return min(slack_s(seq) for seq in scheduler.running)
+            for seq in scheduler.running
+        ]
+        return decode_slack_s(streams, self.decode_steps_s / self.decode_steps, self.cores.policy)
 
     def _flush_channel(self) -> None:
         current = self._channel  # read once: another thread may close it meanwhile

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from runtime.cores import CorePolicy, CoreShare
+from runtime.cores import CorePolicy, CoreShare, StreamProgress, decode_slack_s
 
 
 class Threads:
@@ -225,3 +225,26 @@ def test_a_pause_ends_when_the_prefill_step_ends_and_no_budget_means_no_pause(no
     with plain.step(is_prefill=True) as between_layers:
         # no TPOT budget: only idle cores lent
         assert between_layers is None and busy.lend_within(10.0) == 0.0
+
+
+def test_the_slack_is_what_the_tightest_stream_that_can_still_meet_the_budget_can_spare():
+    policy = CorePolicy(tpot_budget_s=0.05, tpot_share=0.75)
+    step_s = 0.03
+    # runs to 74 tokens (64 more), 65 steps to go: 0.75 * 0.05 * 74 - 0.3 - 65 * 0.03 = 0.525 s
+    young = StreamProgress(output_tokens=10, max_tokens=100, decoding_s=0.3)
+    # 5 steps to its max_tokens: 0.75 * 0.05 * 64 - 1.6 - 5 * 0.03 = 0.65 s
+    old = StreamProgress(output_tokens=60, max_tokens=64, decoding_s=1.6)
+    # behind its share (0.0375 * 74 - 1.0 - 1.95 < 0) but within the budget (3.7 - 2.95 > 0): no lending
+    behind = StreamProgress(output_tokens=10, max_tokens=100, decoding_s=1.0)
+    # misses the budget whatever happens (3.7 - 2.0 - 1.95 < 0): holds nothing back
+    late = StreamProgress(output_tokens=10, max_tokens=100, decoding_s=2.0)
+
+    def slack(*streams):
+        return decode_slack_s(list(streams), step_s, policy)
+
+    assert slack(young) == pytest.approx(0.525)
+    assert slack(old) == pytest.approx(0.65)
+    assert slack(young, old, late) == pytest.approx(0.525)
+    assert slack(young, behind) < 0
+    assert slack(late) is None  # every stream misses: the worker is overloaded, its cores decode
+    assert decode_slack_s([young], step_s, CorePolicy()) is None  # no budget

@@ -44,7 +44,7 @@ from router.kv_index import PrefixIndex, rank
 from router.pd_policy import decide
 from router.pool import WorkerHandle
 from router.slo import SLO
-from runtime.cores import SLACK_HORIZON_TOKENS, CorePolicy
+from runtime.cores import CorePolicy, StreamProgress, decode_slack_s
 
 BLOCK_SIZE_TOKENS = 16
 
@@ -323,20 +323,20 @@ class Simulation:
         return base_s
 
     def _slack_s(self, owner: _Worker, now_s: float) -> float:
-        """runtime/engine_loop.py's `_decode_slack_s` for the owner's running streams."""
+        """The engine loop's slack (`runtime.cores.decode_slack_s`) for the owner's running streams; 0
+        (nothing to lend) where it has none."""
         if not owner.decode_steps:
             return 0.0
-        step_s = owner.decode_steps_s / owner.decode_steps
-        budget = self.policy.tpot_share * self.slo.tpot_s
-
-        def slack(stream: _Stream) -> float:
-            tokens = len(stream.token_times_s)
-            final = max(tokens, min(stream.request.output_tokens, tokens + SLACK_HORIZON_TOKENS))
-            return (
-                budget * final - (now_s - stream.decode_started_s) - (final - tokens + 1) * step_s
+        streams = [
+            StreamProgress(
+                len(stream.token_times_s),
+                stream.request.output_tokens,
+                now_s - stream.decode_started_s,
             )
-
-        return min(slack(stream) for stream in owner.running)
+            for stream in owner.running
+        ]
+        slack_s = decode_slack_s(streams, owner.decode_steps_s / owner.decode_steps, self.policy)
+        return 0.0 if slack_s is None else slack_s
 
     # -- step ends -------------------------------------------------------------------------------
 
