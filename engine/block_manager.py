@@ -1,15 +1,16 @@
-"""The KV block allocator: reference counts, a free list, and prefix caching by chained block hashes.
+"""The KV block allocator: reference counts, a free list, and prefix caching by chained block
+hashes.
 
-A block holds `block_size_tokens` consecutive tokens of one sequence. A *full* block whose KV has been
-computed gets a hash chained from its predecessor's hash and its own token ids (protocol/block_hash.py,
-which the router's prefix index computes too), so two prompts that share a prefix share its blocks
-(each holder counts one reference). A block whose last reference is dropped goes back to the free list
-but keeps its hash: until it is handed out again, a later prompt with the same prefix revives it
-instead of recomputing it.
+A block holds `block_size_tokens` consecutive tokens of one sequence. A *full* block whose KV has
+been computed gets a hash chained from its predecessor's hash and its own token ids
+(protocol/block_hash.py, which the router's prefix index computes too), so two prompts that share a
+prefix share its blocks (each holder counts one reference). A block whose last reference is dropped
+goes back to the free list but keeps its hash: until it is handed out again, a later prompt with the
+same prefix revives it instead of recomputing it.
 
-With `track_events()`, the allocator also logs each hash it starts and stops holding (a block's hash is
-forgotten when the block is handed out again): a worker forwards that log to the router, whose index
-of which worker holds which prefix it feeds (router/kv_index.py).
+With `track_events()`, the allocator also logs each hash it starts and stops holding (a block's hash
+is forgotten when the block is handed out again): a worker forwards that log to the router, whose
+index of which worker holds which prefix it feeds (router/kv_index.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class OutOfBlocksError(RuntimeError):
     """Not enough free KV blocks for the request; the caller may wait, preempt or reject."""
 
 
-# A hash event: (True, hash) the allocator now holds a block with this hash; (False, hash) it no longer does.
+# A hash event: (True, hash) the allocator now holds a block with this hash; (False, hash) it no
+# longer does.
 KVEvent = tuple[bool, bytes]
 # beyond this, the oldest are dropped: the router's index may then guess wrong
 _MAX_PENDING_EVENTS = 1 << 16
@@ -47,13 +49,14 @@ class BlockAllocator:
         self._events: Optional[collections.deque] = None  # see `track_events`
 
     def track_events(self) -> list[bytes]:
-        """Starts (or restarts) the hash-event log; returns the hashes held now, from which the events
-        continue. Owner thread only; `drain_events` may then run on any thread."""
+        """Starts (or restarts) the hash-event log; returns the hashes held now, from which the
+        events continue. Owner thread only; `drain_events` may then run on any thread."""
         self._events = collections.deque(maxlen=_MAX_PENDING_EVENTS)
         return list(self._hash_to_block)
 
     def drain_events(self) -> list[KVEvent]:
-        """The hash events logged since the last drain, oldest first (thread-safe against the owner)."""
+        """The hash events logged since the last drain, oldest first (thread-safe against the
+        owner)."""
         events = self._events
         if events is None:
             return []
@@ -91,7 +94,8 @@ class BlockAllocator:
         return blocks
 
     def allocate_prompt(self, prompt_token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Blocks for a whole prompt, reusing cached prefix blocks; returns (block ids, cached tokens).
+        """Blocks for a whole prompt, reusing cached prefix blocks; returns (block ids, cached
+        tokens).
 
         At least the prompt's last token is always left uncached: its logits are needed.
         """
@@ -107,8 +111,8 @@ class BlockAllocator:
         revived = sum(1 for b in cached if self._ref_counts[b] == 0)
         if fresh_needed + revived > len(self._free):
             raise OutOfBlocksError(
-                f"prompt of {len(prompt_token_ids)} tokens needs {fresh_needed + revived} KV blocks, "
-                f"{len(self._free)} free of {self.num_blocks}"
+                f"prompt of {len(prompt_token_ids)} tokens needs {fresh_needed + revived} KV "
+                f"blocks, {len(self._free)} free of {self.num_blocks}"
             )
         for block_id in cached:
             self._ref_counts[block_id] += 1
@@ -118,7 +122,8 @@ class BlockAllocator:
     def register_computed(
         self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int
     ) -> None:
-        """Make a sequence's full, computed blocks findable by later prompts with the same prefix."""
+        """Make a sequence's full, computed blocks findable by later prompts with the same
+        prefix."""
         if not self.enable_prefix_caching:
             return
         size = self.block_size_tokens

@@ -40,7 +40,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
@@ -54,7 +55,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, dtype) -> int:
-        """KV bytes one token occupies across all layers, for a torch dtype (anything with `itemsize`)."""
+        """KV bytes one token occupies across all layers, for a torch dtype (anything with
+        `itemsize`)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def replace(self, **changes) -> "ModelConfig":
@@ -148,7 +150,8 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
             f"unsupported architecture {architectures}; supported: {sorted(supported)}"
         )
     num_heads = hf["num_attention_heads"]
-    # transformers 5 writes `rope_parameters` (theta inside it); older configs `rope_scaling` + `rope_theta`.
+    # transformers 5 writes `rope_parameters` (theta inside it); older configs `rope_scaling` +
+    # `rope_theta`.
     scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or None
     rope_theta = float((scaling or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_scaling = None
@@ -200,8 +203,8 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
     # decode steps replayed from CUDA graphs on CUDA (engine.cuda_graphs); no effect elsewhere
     cuda_graphs: bool = True
-    # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes text
-    # only for requests with stop strings, which it must see to stop at the right token.
+    # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes
+    # text only for requests with stop strings, which it must see to stop at the right token.
     detokenize: bool = True
 
     @property

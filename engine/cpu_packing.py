@@ -4,16 +4,17 @@
   oneDNN on every call; packing once makes the small-batch matmuls of decode about 2x faster here
   (lm_head at batch 1: 3.2 -> 1.8 ms) and is bit-identical to `F.linear` in bf16.
 - fp32: the weight transposed (`[in, out]`, contiguous) and multiplied as `x @ weight_t`. For 3-15
-  rows (decode steps) MKL takes a kernel for that layout that reads a model's weights 1.4-1.7x as fast
-  as `F.linear`'s on an AVX-512 core (docs/benchmarks.md); from 16 rows on (prefill) both layouts run
-  the same kernel, bit-identical. Below 16 rows the sums' order differs from `F.linear`'s in the last
-  bits, which greedy decoding does not see (the HF comparisons in tests/ hold).
+  rows (decode steps) MKL takes a kernel for that layout that reads a model's weights 1.4-1.7x as
+  fast as `F.linear`'s on an AVX-512 core (docs/benchmarks.md); from 16 rows on (prefill) both
+  layouts run the same kernel, bit-identical. Below 16 rows the sums' order differs from
+  `F.linear`'s in the last bits, which greedy decoding does not see (the HF comparisons in tests/
+  hold).
 - fp32 on an AVX2-only core (no AVX-512): there MKL gains nothing from the transposed layout at 2-48
   rows, while oneDNN's own blocked fp32 layout is 1.2-1.8x as fast (a model's linears at 8 rows: 70
   against 125 ms; at 32: 146 against 181). Decode batches of 2 to `DECODE_PACKED_MAX_ROWS` - 1 rows
   run on a second copy of the weight in that layout; one row (MKL's gemv is the faster there) and
-  prefill chunks of 64 rows or more keep the transposed weight, bit-identical to `F.linear`. The cost
-  is the second copy (+540 MB for SmolLM2-135M in fp32).
+  prefill chunks of 64 rows or more keep the transposed weight, bit-identical to `F.linear`. The
+  cost is the second copy (+540 MB for SmolLM2-135M in fp32).
 
 `PDSERVE_DISABLE_PACKING=1` keeps plain `nn.Linear` for both.
 """
@@ -55,8 +56,9 @@ DECODE_PACKED_MAX_ROWS = 64
 
 
 def decode_packing_supported() -> bool:
-    """Whether fp32 decode batches get oneDNN-packed weights beside the transposed ones: on x86 cores
-    whose best ISA is AVX2 (measured there; on AVX-512 the transposed layout alone was the faster)."""
+    """Whether fp32 decode batches get oneDNN-packed weights beside the transposed ones: on x86
+    cores whose best ISA is AVX2 (measured there; on AVX-512 the transposed layout alone was the
+    faster)."""
     return (
         torch.backends.cpu.get_cpu_capability() == "AVX2"
         and torch.backends.mkldnn.is_available()
@@ -84,7 +86,8 @@ class TransposedLinear(nn.Module):
     def __init__(
         self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: bool = False
     ):
-        """`pack_for_decode`: also hold the oneDNN-packed copy for decode batches (`decode_packing_supported()`)."""
+        """`pack_for_decode`: also hold the oneDNN-packed copy for decode batches
+        (`decode_packing_supported()`)."""
         super().__init__()
         self._hold(
             weight.detach().t().contiguous(),
@@ -94,9 +97,9 @@ class TransposedLinear(nn.Module):
 
     @classmethod
     def over(cls, weight_t: torch.Tensor, bias: Optional[torch.Tensor]) -> "TransposedLinear":
-        """The layer over a weight already transposed, used in place: e.g. memory-mapped from the disk
-        cache, so that the workers of a node read one copy from the page cache instead of each making its
-        own. Without its packed decode copy: `pack_for_decode` gives it that."""
+        """The layer over a weight already transposed, used in place: e.g. memory-mapped from the
+        disk cache, so that the workers of a node read one copy from the page cache instead of each
+        making its own. Without its packed decode copy: `pack_for_decode` gives it that."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._hold(weight_t, bias, None)
@@ -121,7 +124,8 @@ class TransposedLinear(nn.Module):
 
 
 def _packed_for_decode(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    # The batch-size hint 32: at 2-48 rows its layout was the fastest here (hint 1 was slower at >1 row).
+    # The batch-size hint 32: at 2-48 rows its layout was the fastest here (hint 1 was slower at >1
+    # row).
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
     except RuntimeError as exc:
@@ -136,8 +140,9 @@ def _packed_for_decode(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def pack_for_decode(layers: list[TransposedLinear]) -> None:
     """Gives each layer its oneDNN-packed copy for decode batches, packed from its weight laid out
-    `[out, in]` again in one scratch buffer: oneDNN packing a transposed view copies it to fresh memory
-    first, and on a VM that pages memory in slowly that doubled the page faults of a worker's start."""
+    `[out, in]` again in one scratch buffer: oneDNN packing a transposed view copies it to fresh
+    memory first, and on a VM that pages memory in slowly that doubled the page faults of a worker's
+    start."""
     if not layers:
         return
     scratch = torch.empty(
@@ -150,8 +155,8 @@ def pack_for_decode(layers: list[TransposedLinear]) -> None:
 
 
 def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
-    """(parent, attribute, qualified name) of every `nn.Linear` of `model`, and of its LM head where it is
-    tied (`lm_head` None: the head reads the embedding table)."""
+    """(parent, attribute, qualified name) of every `nn.Linear` of `model`, and of its LM head where
+    it is tied (`lm_head` None: the head reads the embedding table)."""
     slots = [
         (parent, name, f"{prefix}.{name}" if prefix else name)
         for prefix, parent in model.named_modules()
@@ -164,8 +169,9 @@ def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
 
 
 def pack_linears(model: nn.Module, layer=PackedLinear) -> int:
-    """Replaces every `nn.Linear` of `model` (and its tied LM head, which then holds its own copy of the
-    embedding table) with `layer(weight, bias)` (e.g. `PackedLinear`, `TransposedLinear`); returns how many."""
+    """Replaces every `nn.Linear` of `model` (and its tied LM head, which then holds its own copy of
+    the embedding table) with `layer(weight, bias)` (e.g. `PackedLinear`, `TransposedLinear`);
+    returns how many."""
     slots = linear_slots(model)
     for parent, name, _ in slots:
         child = getattr(parent, name)

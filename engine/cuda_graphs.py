@@ -5,11 +5,11 @@ the GPU waits on the CPU: one stream of the 8B shape spends most of its step lau
 SGLang do, the step is captured once per batch size in `BATCH_SIZES` (up to the engine's
 `max_num_seqs`), a batch is padded up to the next captured size, and a step is one replay.
 
-A graph reads its inputs from fixed buffers: token ids, positions, cache slots, block tables (as wide
-as the longest sequence the engine serves) and context lengths, all on the device; the paged decode
-kernel splits contexts by batch size alone (engine.triton_paged_attention), so one graph serves every
-length. Padding rows write their K/V to a sink block the allocator never hands out, attend to one
-token of block 0 (finite, whoever owns it) and their logits are dropped.
+A graph reads its inputs from fixed buffers: token ids, positions, cache slots, block tables (as
+wide as the longest sequence the engine serves) and context lengths, all on the device; the paged
+decode kernel splits contexts by batch size alone (engine.triton_paged_attention), so one graph
+serves every length. Padding rows write their K/V to a sink block the allocator never hands out,
+attend to one token of block 0 (finite, whoever owns it) and their logits are dropped.
 
 CUDA only, and only where the decode attention is the paged kernel (the gather + SDPA fallback sizes
 its tensors by the batch's longest context). Prefill stays eager: its shapes vary with every batch.
@@ -60,8 +60,8 @@ class DecodeGraphs:
         return model(self.input_ids[:size], batch, kv_cache.k_caches, kv_cache.v_caches)
 
     def _capture(self, model: LlamaModel, kv_cache: PagedKVCache) -> None:
-        # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), as torch's docs ask; every
-        # row writes to the sink and reads block 0, so no sequence's KV is touched.
+        # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), as torch's docs ask;
+        # every row writes to the sink and reads block 0, so no sequence's KV is touched.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -88,7 +88,8 @@ class DecodeGraphs:
         slots: torch.Tensor,
         tables: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits `[batch, vocab]` of one decode step; the arguments are the eager step's CPU tensors."""
+        """Logits `[batch, vocab]` of one decode step; the arguments are the eager step's CPU
+        tensors."""
         batch, width = tables.shape
         size = next(s for s in self.sizes if s >= batch)
         self.input_ids[:batch].copy_(input_ids)
@@ -105,7 +106,8 @@ class DecodeGraphs:
 def decode_graphs_for(
     model: LlamaModel, kv_cache: PagedKVCache, max_batch: int, max_model_len: int, sink_block: int
 ) -> Optional[DecodeGraphs]:
-    """Graphs for this engine's decode steps, or None where they do not apply (not CUDA, no paged kernel)."""
+    """Graphs for this engine's decode steps, or None where they do not apply (not CUDA, no paged
+    kernel)."""
     kernel = model.layers[0].self_attn.decode_kernel
     if (
         kv_cache.kv.device.type != "cuda"

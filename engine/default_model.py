@@ -29,7 +29,8 @@ def resolve_model_path(spec: str) -> Path:
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelNotFoundError(
-            f"model path {spec!r} does not exist (give a .gguf file, an HF directory, 'default' or 'dummy:<shape>')"
+            f"model path {spec!r} does not exist (give a .gguf file, an HF directory, 'default' "
+            "or 'dummy:<shape>')"
         )
     return path
 

@@ -3,10 +3,10 @@
 Decoding each new token alone breaks words and multi-byte characters (a byte-level token can end in
 the middle of a UTF-8 sequence). We decode a short window — the tokens since the last emitted text —
 and emit only what the window adds once it no longer ends in U+FFFD, the replacement character a
-partial UTF-8 sequence decodes to. Text that could still become a stop string (a tail of the text that
-begins one) is held back until it can't; when a stop string appears, the text is cut before it and the
-sequence is finished. `flush()` releases whatever is held back, including a character the output ended
-in the middle of (as U+FFFD, the way a full decode shows it).
+partial UTF-8 sequence decodes to. Text that could still become a stop string (a tail of the text
+that begins one) is held back until it can't; when a stop string appears, the text is cut before it
+and the sequence is finished. `flush()` releases whatever is held back, including a character the
+output ended in the middle of (as U+FFFD, the way a full decode shows it).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
     def _append(self, new_text: str) -> None:
-        # A stop string not found before ends in the new text, so it starts at most max-1 characters earlier.
+        # A stop string not found before ends in the new text, so it starts at most max-1 characters
+        # earlier.
         search_from = max(0, len(self.text) - self._max_stop_chars + 1)
         self.text += new_text
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)

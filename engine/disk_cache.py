@@ -1,11 +1,11 @@
 """A per-user disk cache of what is slow to rebuild at every start: a model file's metadata, its
-weights (dequantized, or for an fp32 CPU model laid out as it serves: weights.py), transformers' reading
-of it (tests/hf_reference.py), and the compiled attention kernel.
+weights (dequantized, or for an fp32 CPU model laid out as it serves: weights.py), transformers'
+reading of it (tests/hf_reference.py), and the compiled attention kernel.
 
 Parsing the default GGUF file's metadata takes gguf-py 2 s and dequantizing its weights 1 s, in the
 router and in every worker, at every start and every scale-up; from here they load in milliseconds.
-An entry is keyed by the source file's content (its sha256, and the entry's kind), so a changed file is
-never served from a stale entry and copies of one file share entries: every checkout of this repo
+An entry is keyed by the source file's content (its sha256, and the entry's kind), so a changed file
+is never served from a stale entry and copies of one file share entries: every checkout of this repo
 holds the default model in its own `.venv`. Hashing the file is done once per path, size and
 modification time and remembered in a small index. Entries are written beside their final name and
 renamed into place, so processes starting together never read a half-written one. Anything that goes
@@ -68,9 +68,9 @@ def write_atomically(target: Path, write: Callable[[str], None]) -> None:
 
 
 def directory(source: Path, kind: str, write: Callable[[Path], None]) -> Path:
-    """The `kind` entry for `source` that is a directory, filled by `write(folder)` when missing: written
-    beside its final name and renamed into place, whole or not at all. Where it cannot be cached, the
-    folder `write` filled outside the cache (logged)."""
+    """The `kind` entry for `source` that is a directory, filled by `write(folder)` when missing:
+    written beside its final name and renamed into place, whole or not at all. Where it cannot be
+    cached, the folder `write` filled outside the cache (logged)."""
     entry = entry_path(source, kind, "")
     if entry.is_dir():
         mark_used(entry)
@@ -112,8 +112,8 @@ _digests: dict[str, str] = {}  # this process's memo of the index
 
 
 def content_digest(source: Path) -> str:
-    """The sha256 of `source`'s bytes, read from the index when this path, size and modification time
-    were hashed before (0.12 s for the default model's 98 MB, seconds for a large model)."""
+    """The sha256 of `source`'s bytes, read from the index when this path, size and modification
+    time were hashed before (0.12 s for the default model's 98 MB, seconds for a large model)."""
     stat = source.stat()
     identity = hashlib.sha256(
         f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
@@ -198,7 +198,8 @@ def _remove(path: Path) -> None:
 
 
 def gguf_metadata(source: Path, parse: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """The file's metadata, as `parse()` returns it (plain msgpack-able values), from the cache if there."""
+    """The file's metadata, as `parse()` returns it (plain msgpack-able values), from the cache if
+    there."""
     entry = entry_path(source, "metadata", ".msgpack")
     try:
         metadata = msgpack.unpackb(entry.read_bytes(), raw=False, strict_map_key=False)
@@ -221,7 +222,8 @@ def gguf_metadata(source: Path, parse: Callable[[], dict[str, Any]]) -> dict[str
 def gguf_weights(
     source: Path, dtype: "torch.dtype", produce: Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
 ) -> Iterable[tuple[str, "torch.Tensor"]]:
-    """The (name, tensor) pairs `produce()` gives for serving in `dtype`, from the cache if there."""
+    """The (name, tensor) pairs `produce()` gives for serving in `dtype`, from the cache if
+    there."""
     kind = f"weights-{str(dtype).removeprefix('torch.')}"
     cached = tensors(source, kind)
     if cached is not None:
@@ -232,8 +234,9 @@ def gguf_weights(
 
 
 def tensors(source: Path, kind: str) -> Optional[dict[str, "torch.Tensor"]]:
-    """The tensors of the `kind` entry for `source`, memory-mapped: read from the page cache, which every
-    process of the machine shares, and only where touched. None when there is none or it is unreadable (logged)."""
+    """The tensors of the `kind` entry for `source`, memory-mapped: read from the page cache, which
+    every process of the machine shares, and only where touched. None when there is none or it is
+    unreadable (logged)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -252,7 +255,8 @@ def tensors(source: Path, kind: str) -> Optional[dict[str, "torch.Tensor"]]:
 
 
 def save_tensors(source: Path, kind: str, named: dict[str, "torch.Tensor"]) -> None:
-    """Writes the `kind` entry for `source` (contiguous tensors that share no memory); failures are logged."""
+    """Writes the `kind` entry for `source` (contiguous tensors that share no memory); failures are
+    logged."""
     from safetensors.torch import save_file
 
     if os.environ.get(WEIGHTS_ENV) == "0":
@@ -283,14 +287,16 @@ def save_tensors(source: Path, kind: str, named: dict[str, "torch.Tensor"]) -> N
 
 
 # Tensors are used in place where they are mapped: their data starts on a cache line when the header
-# (8 bytes of length, then JSON) ends on one, as every tensor size of a model is a multiple of 64 bytes.
+# (8 bytes of length, then JSON) ends on one, as every tensor size of a model is a multiple of 64
+# bytes.
 _ALIGN_BYTES = 64
 _SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
 
 
 def _aligning_pad(named: dict[str, "torch.Tensor"]) -> str:
     """The metadata padding that ends the header on a cache line, from the header safetensors writes
-    (compact JSON, tensors of one dtype by name), so that one write suffices; `save_tensors` checks."""
+    (compact JSON, tensors of one dtype by name), so that one write suffices; `save_tensors`
+    checks."""
     entries, offset = {}, 0
     for name in sorted(named):
         tensor = named[name]

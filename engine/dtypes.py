@@ -1,13 +1,14 @@
-"""Dtype and device policy: the names users give (`--dtype`, `--device`), what "auto" resolves to where
-an engine runs, and why, for the ready line.
+"""Dtype and device policy: the names users give (`--dtype`, `--device`), what "auto" resolves to
+where an engine runs, and why, for the ready line.
 
-`--dtype auto` is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), fp32 elsewhere, where
-torch emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32, docs/benchmarks.md).
-`$PDSERVE_AUTO_DTYPE` (float32 or bfloat16) overrides the CPU's choice, so the bf16 default is testable
-on any CPU; workers started while it is set in the router's environment get it too (pdserve/pools.py).
+`--dtype auto` is bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX), fp32 elsewhere,
+where torch emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32,
+docs/benchmarks.md). `$PDSERVE_AUTO_DTYPE` (float32 or bfloat16) overrides the CPU's choice, so the
+bf16 default is testable on any CPU; workers started while it is set in the router's environment get
+it too (pdserve/pools.py).
 
-Torch is imported only inside the functions that answer with torch objects: the config (engine/config.py),
-the router and the CLI read these names without loading torch.
+Torch is imported only inside the functions that answer with torch objects: the config
+(engine/config.py), the router and the CLI read these names without loading torch.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def resolve_device(name: str | torch.device) -> str:
             else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)"
         )
         raise ValueError(
-            f"device {name!r} asked for, but torch sees no CUDA device: {why}; use --device cpu or auto"
+            f"device {name!r} asked for, but torch sees no CUDA device: {why}; use --device cpu "
+            "or auto"
         )
     return name
 
@@ -63,7 +65,8 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
 
 
 def dtype_reason(name: str, device: str = "cpu") -> str:
-    """Why `name` resolves as it does on this device, for the ready line: "asked", or what "auto" saw."""
+    """Why `name` resolves as it does on this device, for the ready line: "asked", or what "auto"
+    saw."""
     return "asked" if name != "auto" else "auto: " + _auto_dtype_and_reason(device)[1]
 
 

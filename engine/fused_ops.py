@@ -1,11 +1,13 @@
-"""The elementwise parts of a bf16 layer on CPU as fused C kernels (engine/csrc/elementwise.c): RMSNorm
-with the residual add before it, SiLU(gate) * up, and the rotary embedding of q and k. torch's bf16 CPU
-kernels for these take 2.1 ms of every layer of a 512-token prompt on one core (docs/benchmarks.md).
+"""The elementwise parts of a bf16 layer on CPU as fused C kernels (engine/csrc/elementwise.c):
+RMSNorm with the residual add before it, SiLU(gate) * up, and the rotary embedding of q and k.
+torch's bf16 CPU kernels for these take 2.1 ms of every layer of a 512-token prompt on one core
+(docs/benchmarks.md).
 
 Built and loaded like the paged decode-attention kernel (engine/paged_attention.py), with the same
-switch (`PDSERVE_DISABLE_KERNELS=1`) and the same fallback: where it is unavailable, or for any other
-dtype or device, `fused_ops_for` answers None and the model runs torch's ops. Each result is rounded to
-bf16 once, where torch rounds after every op: the two agree to bf16 rounding, not bit for bit.
+switch (`PDSERVE_DISABLE_KERNELS=1`) and the same fallback: where it is unavailable, or for any
+other dtype or device, `fused_ops_for` answers None and the model runs torch's ops. Each result is
+rounded to bf16 once, where torch rounds after every op: the two agree to bf16 rounding, not bit for
+bit.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from engine.paged_attention import DISABLE_ENV, KernelBuildError, build
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "elementwise.c"
-# Finite math: SiLU's exp vectorizes 7x faster with it (0.64 against 4.5 ms for [512, 1536] here). A NaN
-# or infinite activation then gives an undefined (not a NaN) result: the model has failed either way.
+# Finite math: SiLU's exp vectorizes 7x faster with it (0.64 against 4.5 ms for [512, 1536] here). A
+# NaN or infinite activation then gives an undefined (not a NaN) result: the model has failed either
+# way.
 EXTRA_FLAGS = ("-ffinite-math-only",)
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -88,9 +91,9 @@ class FusedOps:
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
     ) -> torch.Tensor:
-        """The rotary embedding of the first `heads` heads of each row (`rows` [tokens, >= heads * head_dim],
-        its last dim contiguous); cos and signed_sin [tokens, 1, head_dim] (RotaryEmbedding.cos_sin).
-        Returns a contiguous [tokens, heads, head_dim]."""
+        """The rotary embedding of the first `heads` heads of each row (`rows` [tokens, >= heads *
+        head_dim], its last dim contiguous); cos and signed_sin [tokens, 1, head_dim]
+        (RotaryEmbedding.cos_sin). Returns a contiguous [tokens, heads, head_dim]."""
         tokens = rows.shape[0]
         out = torch.empty(tokens, heads, head_dim, dtype=rows.dtype)
         self._rope_bf16(

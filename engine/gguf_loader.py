@@ -1,8 +1,8 @@
 """Reading a GGUF file: its config, its tokenizer metadata and its (dequantized) weights.
 
-Quantized tensors are dequantized with the `gguf` package. llama.cpp's converter permutes the rows of
-the q and k projections of `llama`-architecture models (interleaved RoPE pairs); we undo it so the
-weights match the HF layout our RoPE uses.
+Quantized tensors are dequantized with the `gguf` package. llama.cpp's converter permutes the rows
+of the q and k projections of `llama`-architecture models (interleaved RoPE pairs); we undo it so
+the weights match the HF layout our RoPE uses.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ def _reader_class():
     import gguf  # imported on first use: numpy-heavy, and not every process reads a GGUF file
 
     class PlainArrayReader(gguf.GGUFReader):
-        """`gguf.GGUFReader` over a plain ndarray view of its memory map. The reader slices its data once
-        per metadata item (~100k for a tokenizer's vocabulary and merges) and per block row group of a
-        quantized tensor, and every slice of an `np.memmap` runs numpy's Python-level `__array_finalize__`.
-        The default model, same fields and tensors: opened in 1.0 s instead of 3.1, dequantized in 2.0 s
-        instead of 5.0 (AMD EPYC, one thread)."""
+        """`gguf.GGUFReader` over a plain ndarray view of its memory map. The reader slices its data
+        once per metadata item (~100k for a tokenizer's vocabulary and merges) and per block row
+        group of a quantized tensor, and every slice of an `np.memmap` runs numpy's Python-level
+        `__array_finalize__`. The default model, same fields and tensors: opened in 1.0 s instead of
+        3.1, dequantized in 2.0 s instead of 5.0 (AMD EPYC, one thread)."""
 
         @property
         def data(self) -> np.ndarray:
@@ -85,7 +85,8 @@ def config_from_fields(fields: dict[str, Any], has_output_weight: bool, name: st
     arch = fields.get("general.architecture")
     if arch not in _SUPPORTED_ARCHITECTURES:
         raise GGUFError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_SUPPORTED_ARCHITECTURES)})"
+            f"GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join(_SUPPORTED_ARCHITECTURES)})"
         )
 
     def get(key: str, default: Any = None) -> Any:

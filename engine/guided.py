@@ -1,14 +1,15 @@
-"""Structured outputs: a request's `GuidedDecoding` (a JSON schema, a regex or a list of choices) compiled
-by llguidance into a grammar over our own vocabulary, one matcher per request, and the batch's token
-masks. No torch: the router checks specs with it (`check`); `engine.sampling` applies the masks.
+"""Structured outputs: a request's `GuidedDecoding` (a JSON schema, a regex or a list of choices)
+compiled by llguidance into a grammar over our own vocabulary, one matcher per request, and the
+batch's token masks. No torch: the router checks specs with it (`check`); `engine.sampling` applies
+the masks.
 
 llguidance's view of the vocabulary is built from our `tokenizers.Tokenizer` (its JSON form, as the
 library's own HF helper does), so nothing is read from a hub. A matcher allows EOS once the grammar
 accepts, and only EOS once nothing else can follow, so a finished answer ends.
 
-JSON is compiled without free whitespace (`, ` and `: ` as separators, as Python's `json.dumps` writes):
-with any amount allowed, a small model decoding greedily can fill max_tokens with newlines. A schema's
-own `x-guidance` options override this.
+JSON is compiled without free whitespace (`, ` and `: ` as separators, as Python's `json.dumps`
+writes): with any amount allowed, a small model decoding greedily can fill max_tokens with newlines.
+A schema's own `x-guidance` options override this.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def grammar_of(spec: GuidedDecoding) -> str:
 
 def check(spec: GuidedDecoding) -> None:
     """Raises GrammarError naming the problem when the spec cannot guide decoding. Checked without a
-    vocabulary (a fraction of a millisecond; the same errors as with one), so the router builds none."""
+    vocabulary (a fraction of a millisecond; the same errors as with one), so the router builds
+    none."""
     grammar = grammar_of(spec)
     try:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
@@ -70,7 +72,8 @@ def check(spec: GuidedDecoding) -> None:
 
 class GrammarCompiler:
     """llguidance's tokenizer for one vocabulary (built once: about 0.25 s for 49k tokens) and the
-    matchers of requests. `vocab_size` is the model's (its logits may be wider than the tokenizer)."""
+    matchers of requests. `vocab_size` is the model's (its logits may be wider than the
+    tokenizer)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: Optional[int] = None):
         self.vocab_size = vocab_size or tokenizer.vocab_size
@@ -97,8 +100,8 @@ class GrammarCompiler:
 
 
 class BatchMasks:
-    """The allowed-token bitmasks of a batch's guided rows, computed in parallel on `threads` threads
-    (llguidance drops the GIL), into a buffer reused step after step."""
+    """The allowed-token bitmasks of a batch's guided rows, computed in parallel on `threads`
+    threads (llguidance drops the GIL), into a buffer reused step after step."""
 
     def __init__(self, compiler: GrammarCompiler, threads: int = 1):
         self.compiler = compiler
@@ -107,8 +110,9 @@ class BatchMasks:
         self._buffer = np.zeros((0, self.words), dtype=np.int32)
 
     def compute(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
-        """Bool [len(matchers), vocab]: the tokens each matcher allows next. A matcher in an error state
-        (it cannot happen when only allowed tokens are sampled) allows only EOS, so its request ends."""
+        """Bool [len(matchers), vocab]: the tokens each matcher allows next. A matcher in an error
+        state (it cannot happen when only allowed tokens are sampled) allows only EOS, so its
+        request ends."""
         rows = len(matchers)
         if self._buffer.shape[0] < rows:
             self._buffer = np.zeros((rows, self.words), dtype=np.int32)

@@ -1,4 +1,5 @@
-"""Reading a Hugging Face model directory: config.json, *.safetensors (memory-mapped), tokenizer.json.
+"""Reading a Hugging Face model directory: config.json, *.safetensors (memory-mapped),
+tokenizer.json.
 
 No torch at import: the router reads configs and tokenizers through here.
 """

@@ -69,9 +69,9 @@ AUTO_KV_CUDA_FRACTION = 0.8  # of the GPU's free memory after the weights
 
 def auto_kv_cache_bytes(device: str | torch.device = "cpu") -> int:
     """A worker's KV cache when none is configured: a tenth of the memory available on its node now
-    (as vLLM sizes its cache from free memory), between 256 MiB and 4 GiB; on a GPU, `AUTO_KV_CUDA_FRACTION`
-    of its free memory once the weights are in (vLLM's `gpu_memory_utilization`), the rest left to
-    activations and CUDA graphs."""
+    (as vLLM sizes its cache from free memory), between 256 MiB and 4 GiB; on a GPU,
+    `AUTO_KV_CUDA_FRACTION` of its free memory once the weights are in (vLLM's
+    `gpu_memory_utilization`), the rest left to activations and CUDA graphs."""
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free * AUTO_KV_CUDA_FRACTION)
@@ -119,9 +119,9 @@ class PagedKVCache:
         layers: slice = slice(None),
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """A contiguous copy `[layers, 2, len(block_ids), block, kv_heads, head_dim]` of these blocks;
-        with `out` (a uint8 buffer, large enough) written into its head instead of fresh memory (a
-        reused buffer is several times faster to fill here than never-touched pages)."""
+        """A contiguous copy `[layers, 2, len(block_ids), block, kv_heads, head_dim]` of these
+        blocks; with `out` (a uint8 buffer, large enough) written into its head instead of fresh
+        memory (a reused buffer is several times faster to fill here than never-touched pages)."""
         index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv.device)
         source = self.kv[layers]
         if out is None:
@@ -133,9 +133,9 @@ class PagedKVCache:
         return self._stage_to_host(source.index_select(2, index), view)
 
     def _stage_to_host(self, gathered: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-        """Copies gathered device KV into a host buffer (pinned, for the `ray` and `grpc` transports) on a
-        stream of its own, so the copy does not queue behind, or hold up, the engine's kernels; returns
-        once the bytes are on the host."""
+        """Copies gathered device KV into a host buffer (pinned, for the `ray` and `grpc`
+        transports) on a stream of its own, so the copy does not queue behind, or hold up, the
+        engine's kernels; returns once the bytes are on the host."""
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.kv.device)
         stream = self._copy_stream

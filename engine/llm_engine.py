@@ -5,8 +5,9 @@
     while engine.has_unfinished():
         for output in engine.step(): ...
 
-`step()` is the whole loop: schedule -> run the model -> sample -> update sequences -> collect outputs.
-The disaggregated workers reuse its parts (scheduler, model runner, sampler) rather than this class.
+`step()` is the whole loop: schedule -> run the model -> sample -> update sequences -> collect
+outputs. The disaggregated workers reuse its parts (scheduler, model runner, sampler) rather than
+this class.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class LLMEngine:
         self.allocator = BlockAllocator(
             num_blocks, config.block_size_tokens, config.enable_prefix_caching
         )
-        # The longest sequence (prompt + output) this engine serves: the model's context, unless its KV
-        # cache holds fewer tokens (a sequence alone must always fit, or it would preempt itself for ever).
+        # The longest sequence (prompt + output) this engine serves: the model's context, unless its
+        # KV cache holds fewer tokens (a sequence alone must always fit, or it would preempt itself
+        # for ever).
         self.max_model_len = min(
             self.model_config.max_context_tokens, num_blocks * config.block_size_tokens
         )
@@ -174,13 +176,15 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(
-                f"prompt has {len(prompt_ids)} tokens; this engine serves {self.max_model_len} tokens of context (the "
-                f"model's {self.model_config.max_context_tokens}, its KV cache's "
-                f"{self.allocator.num_blocks * self.config.block_size_tokens}): prompt plus at least one output token"
+                f"prompt has {len(prompt_ids)} tokens; this engine serves {self.max_model_len} "
+                f"tokens of context (the model's {self.model_config.max_context_tokens}, its KV "
+                f"cache's {self.allocator.num_blocks * self.config.block_size_tokens}): prompt "
+                "plus at least one output token"
             )
 
     def abort(self, request_id: str) -> bool:
-        """Stops a request wherever it is (queued, running or held for handoff) and frees its blocks."""
+        """Stops a request wherever it is (queued, running or held for handoff) and frees its
+        blocks."""
         if self.release_kv(request_id):
             return True
         seq = self._seqs.pop(request_id, None)
@@ -193,7 +197,8 @@ class LLMEngine:
     # -- KV handoff, prefill side: the blocks stay ours until the receiver is done with them ------
 
     def export_kv(self, request_id: str, layers: slice = slice(None)) -> torch.Tensor:
-        """The prompt's KV of a handed-off request, `[layers, 2, blocks, block, kv_heads, head_dim]`."""
+        """The prompt's KV of a handed-off request, `[layers, 2, blocks, block, kv_heads,
+        head_dim]`."""
         seq = self._held[request_id]
         return self.kv_cache.export_blocks(
             seq.block_ids[: self.allocator.blocks_needed(seq.num_prompt_tokens)], layers
@@ -226,8 +231,9 @@ class LLMEngine:
         params: SamplingParams,
         block_ids: list[int],
     ) -> None:
-        """Admits a request whose prompt KV sits in `block_ids` (whose references pass to the engine)
-        and whose first token was sampled elsewhere; it joins the running batch at the next step."""
+        """Admits a request whose prompt KV sits in `block_ids` (whose references pass to the
+        engine) and whose first token was sampled elsewhere; it joins the running batch at the next
+        step."""
         if request_id in self._seqs:
             raise RequestError(f"request_id {request_id!r} is already in use")
         if len(block_ids) < self.allocator.blocks_needed(len(prompt_ids)):
@@ -309,9 +315,10 @@ class LLMEngine:
     def _score_prompts(
         self, batch: ScheduledBatch, logits: torch.Tensor, every_position: list[bool]
     ) -> torch.Tensor:
-        """A prefill whose `every_position` sequences got logits at every position of their chunk: their
-        prompt tokens' logprobs are taken here (the logits at position p score token p + 1); returns the
-        rows to sample from, one per sequence whose prompt this chunk completes. Before `after_prefill`."""
+        """A prefill whose `every_position` sequences got logits at every position of their chunk:
+        their prompt tokens' logprobs are taken here (the logits at position p score token p + 1);
+        returns the rows to sample from, one per sequence whose prompt this chunk completes. Before
+        `after_prefill`."""
         sample_rows, row = [], 0
         for seq, chunk, every in zip(batch.seqs, batch.num_new_tokens, every_position):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk

@@ -1,4 +1,5 @@
-"""Runs the model over a scheduled batch: builds the flattened inputs and cache addresses, returns logits."""
+"""Runs the model over a scheduled batch: builds the flattened inputs and cache addresses, returns
+logits."""
 
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Computes each sequence's next `chunk_len` tokens into the cache.
 
-        Returns logits `[k, vocab]` for the k sequences (in order) whose chunk reaches their last token;
-        a sequence marked in `every_position` (prompt logprobs) gets a row for every token of its chunk
-        instead, in order.
+        Returns logits `[k, vocab]` for the k sequences (in order) whose chunk reaches their last
+        token; a sequence marked in `every_position` (prompt logprobs) gets a row for every token of
+        its chunk instead, in order.
         """
         input_ids, positions, slots, slices, last_rows = [], [], [], [], []
         start = 0
@@ -75,7 +76,8 @@ class ModelRunner:
         )
 
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """One step for every sequence: feeds its last token, returns logits `[len(seqs), vocab]`."""
+        """One step for every sequence: feeds its last token, returns logits `[len(seqs),
+        vocab]`."""
         positions = torch.tensor([seq.num_tokens - 1 for seq in seqs], dtype=torch.long)
         max_blocks = max(len(seq.block_ids) for seq in seqs)
         # Padding entries point at block 0; the attention mask hides them.

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-# Reassociation lets the compiler vectorize the dot products and sums (3x here); unlike -ffast-math it
-# keeps infinities and NaNs meaningful.
+# Reassociation lets the compiler vectorize the dot products and sums (3x here); unlike -ffast-math
+# it keeps infinities and NaNs meaningful.
 CFLAGS = (
     "-O3",
     "-march=native",
@@ -73,8 +73,8 @@ def _cpu_features() -> str:
 def build(
     compiler: Optional[str] = None, source: Path = SOURCE, extra_flags: tuple[str, ...] = ()
 ) -> Path:
-    """Compiles `source` (a C file of engine/csrc, with CFLAGS and `extra_flags`) unless a build of it for
-    this compiler and CPU is cached; returns the .so."""
+    """Compiles `source` (a C file of engine/csrc, with CFLAGS and `extra_flags`) unless a build of
+    it for this compiler and CPU is cached; returns the .so."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise KernelBuildError("no C compiler found (set CC)")
@@ -133,7 +133,8 @@ class PagedDecodeAttention:
             self._functions[dtype] = fn
 
     def supports(self, cache: torch.Tensor) -> bool:
-        """Whether this cache (`[blocks, block_size, kv_heads, head_dim]`) is one the kernel handles."""
+        """Whether this cache (`[blocks, block_size, kv_heads, head_dim]`) is one the kernel
+        handles."""
         return (
             cache.device.type == "cpu"
             and cache.dtype in self._functions
@@ -150,7 +151,8 @@ class PagedDecodeAttention:
         context_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """q `[batch, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]`; returns q's shape and dtype."""
+        """q `[batch, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]`; returns
+        q's shape and dtype."""
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         q32 = q.float().contiguous()

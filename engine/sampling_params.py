@@ -18,12 +18,12 @@ MAX_GUIDED_CHOICES = 256
 @dataclass(frozen=True)
 class GuidedDecoding:
     """Structured output: what every output token must keep the answer within, exactly one of a JSON
-    schema (JSON text; `{"type": "object"}` for any object), a regular expression, or a list of choices.
-    Compiled into a grammar by `engine.guided` (llguidance) where tokens are sampled.
+    schema (JSON text; `{"type": "object"}` for any object), a regular expression, or a list of
+    choices. Compiled into a grammar by `engine.guided` (llguidance) where tokens are sampled.
 
     `prompt_tokens`: the request's own prompt length, set by the router. A migrated request is
-    re-prefilled as its prompt plus the tokens already sent; the tokens past `prompt_tokens` are output,
-    and a fresh matcher is advanced over them, so the grammar resumes where it was."""
+    re-prefilled as its prompt plus the tokens already sent; the tokens past `prompt_tokens` are
+    output, and a fresh matcher is advanced over them, so the grammar resumes where it was."""
 
     json_schema: Optional[str] = None
     regex: Optional[str] = None
@@ -51,17 +51,17 @@ class GuidedDecoding:
         return "regex" if self.regex is not None else "choice"
 
     def output_so_far(self, prompt_ids: list[int]) -> list[int]:
-        """The tokens of an engine's prompt that were output before (a migrated request's), which the
-        grammar must have consumed before it samples."""
+        """The tokens of an engine's prompt that were output before (a migrated request's), which
+        the grammar must have consumed before it samples."""
         if self.prompt_tokens is None:
             return []
         return list(prompt_ids[self.prompt_tokens :])
 
 
 class TokenLogprobs(NamedTuple):
-    """One token's log-probability under the model (log-softmax of the raw fp32 logits: before temperature,
-    top-k and top-p, as vLLM's default), and the `top` most likely tokens at that position, best first.
-    A tuple, so it crosses process boundaries as a plain msgpack array."""
+    """One token's log-probability under the model (log-softmax of the raw fp32 logits: before
+    temperature, top-k and top-p, as vLLM's default), and the `top` most likely tokens at that
+    position, best first. A tuple, so it crosses process boundaries as a plain msgpack array."""
 
     token_id: int
     logprob: float
@@ -84,9 +84,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # Log-probabilities: None, not asked; N, each output token's own and its position's top N (0..20).
+    # Log-probabilities: None, not asked; N, each output token's own and its position's top N
+    # (0..20).
     logprobs: Optional[int] = None
-    # The same for every prompt token (computed by the prefill pass; the first prompt token has none).
+    # The same for every prompt token (computed by the prefill pass; the first prompt token has
+    # none).
     prompt_logprobs: Optional[int] = None
     # Structured output: the grammar every output token keeps to (None: free text).
     guided: Optional[GuidedDecoding] = None
@@ -110,7 +112,8 @@ class SamplingParams:
             not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop
         ):
             raise ValueError(
-                f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters"
+                f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                f"{MAX_STOP_STRING_CHARS} characters"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")

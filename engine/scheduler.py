@@ -1,13 +1,13 @@
 """Continuous batching: which sequences run in the next forward pass.
 
 Policy: if prompts are waiting and fit, run a prefill batch of them under a token budget, chunking a
-prompt that does not fit the budget; otherwise run one decode step over every running sequence. While
-sequences are decoding, prefill is interleaved instead (with `decode_interleave_tokens`): a prefill step
-takes at most that many prompt tokens and is always followed by a decode step, so a long prompt
-arriving on a busy worker delays each running stream by one chunk at a time, not by its whole prefill.
-Sequences join and leave the running batch between steps. When a decode step needs a block and none
-is free, the most recently started sequence is preempted: its blocks are freed and it is recomputed
-later (prefix caching makes that cheap).
+prompt that does not fit the budget; otherwise run one decode step over every running sequence.
+While sequences are decoding, prefill is interleaved instead (with `decode_interleave_tokens`): a
+prefill step takes at most that many prompt tokens and is always followed by a decode step, so a
+long prompt arriving on a busy worker delays each running stream by one chunk at a time, not by its
+whole prefill. Sequences join and leave the running batch between steps. When a decode step needs a
+block and none is free, the most recently started sequence is preempted: its blocks are freed and it
+is recomputed later (prefix caching makes that cheap).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    # Prompt tokens per prefill step while sequences are decoding, each such step followed by a decode
-    # step; None: prefill-first with the whole budget (vLLM's classic policy), decodes wait.
+    # Prompt tokens per prefill step while sequences are decoding, each such step followed by a
+    # decode step; None: prefill-first with the whole budget (vLLM's classic policy), decodes wait.
     decode_interleave_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -58,7 +58,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sequence whose KV (all but its last token) is in the cache: prefilled here or transferred in."""
+        """A sequence whose KV (all but its last token) is in the cache: prefilled here or
+        transferred in."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -151,8 +152,8 @@ class Scheduler:
             seq.num_computed_tokens += 1
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        # Its decoded tokens' full blocks become findable too: a conversation's next turn, which resends
-        # this answer, finds them cached.
+        # Its decoded tokens' full blocks become findable too: a conversation's next turn, which
+        # resends this answer, finds them cached.
         self.allocator.register_computed(seq.token_ids, seq.block_ids, seq.num_computed_tokens)
         if seq in self.running:
             self.running.remove(seq)

@@ -35,10 +35,11 @@ class Sequence:
     arrival_time_s: float = 0.0
     # Disaggregated prefill: after the first token, keep the KV for a handoff instead of decoding.
     hand_off_after_prefill: bool = False
-    # Prompt logprobs (asked in params), of prompt tokens 1.. as the prefill's chunks compute them; they
-    # leave with the first output token.
+    # Prompt logprobs (asked in params), of prompt tokens 1.. as the prefill's chunks compute them;
+    # they leave with the first output token.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Structured output: its llguidance matcher (engine/guided.py), advanced over every output token.
+    # Structured output: its llguidance matcher (engine/guided.py), advanced over every output
+    # token.
     matcher: Optional[Any] = None
 
     @property
@@ -55,8 +56,9 @@ class Sequence:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """Its prefill must score every prompt position (asked, and not yet sent: a sequence recomputed
-        after a preemption has output tokens, its prompt's logprobs went out with the first)."""
+        """Its prefill must score every prompt position (asked, and not yet sent: a sequence
+        recomputed after a preemption has output tokens, its prompt's logprobs went out with the
+        first)."""
         return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property

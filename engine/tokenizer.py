@@ -1,8 +1,10 @@
-"""Tokenizer and chat template, built on the `tokenizers` library. No torch: the router imports this.
+"""Tokenizer and chat template, built on the `tokenizers` library. No torch: the router imports
+this.
 
 Two sources:
-- a GGUF file's metadata (vocabulary, merges, token types, special ids, chat template), rebuilt into a
-  byte-level BPE `tokenizers.Tokenizer` the way HF transformers rebuilds it, so both agree token for token;
+- a GGUF file's metadata (vocabulary, merges, token types, special ids, chat template), rebuilt into
+  a byte-level BPE `tokenizers.Tokenizer` the way HF transformers rebuilds it, so both agree token
+  for token;
 - a Hugging Face directory (`tokenizer.json` + `tokenizer_config.json`).
 
 Chat templates are rendered with jinja2 in a sandbox configured like HF's `apply_chat_template`.
@@ -21,7 +23,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-# llama.cpp token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are added text.
+# llama.cpp token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are added
+# text.
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -45,8 +48,10 @@ _TEKKEN_SPLIT = (
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _PRE_TOKENIZER_SPLITS = {
@@ -89,7 +94,8 @@ class SpecialTokens:
 
     @property
     def template_variables(self) -> dict[str, str]:
-        """What a chat template sees of these, as HF passes its `special_tokens_map`: only the tokens that are set."""
+        """What a chat template sees of these, as HF passes its `special_tokens_map`: only the
+        tokens that are set."""
         named = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -231,8 +237,8 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def use_chat_template(self, template: str) -> None:
-        """Replaces the model's chat template (`serve --chat-template`); TokenizerError if it does not
-        compile."""
+        """Replaces the model's chat template (`serve --chat-template`); TokenizerError if it does
+        not compile."""
         self._compiled_template = compile_chat_template(template)
         self.chat_template = template
 
@@ -243,8 +249,9 @@ class Tokenizer:
             raise TokenizerError("this model has no chat template; send a plain prompt instead")
         if self._compiled_template is None:
             self._compiled_template = _chat_environment().from_string(self.chat_template)
-        # As HF does: keys set to None are dropped (OpenAI clients send `"content": null`, and templates test for a
-        # missing key), and `tools`/`documents` are None unless given, which templates test with `is not none`.
+        # As HF does: keys set to None are dropped (OpenAI clients send `"content": null`, and
+        # templates test for a missing key), and `tools`/`documents` are None unless given, which
+        # templates test with `is not none`.
         messages = [
             {key: value for key, value in message.items() if value is not None}
             for message in messages
@@ -260,7 +267,8 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: Optional[list[dict[str, Any]]] = None,
     ) -> list[int]:
-        """`tools`: the template's `tools` variable (OpenAI's tool definitions), None without tools."""
+        """`tools`: the template's `tools` variable (OpenAI's tool definitions), None without
+        tools."""
         # The template writes BOS itself where the model wants it, so no special tokens are added.
         extra = {} if tools is None else {"tools": tools}
         return self.encode(
@@ -293,7 +301,8 @@ def _raise_exception(message: str) -> None:
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`: HF marks assistant tokens with it for training; it renders its body."""
+    """`{% generation %}...{% endgeneration %}`: HF marks assistant tokens with it for training; it
+    renders its body."""
 
     tags = {"generation"}
 
@@ -323,7 +332,8 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
 
 
 def compile_chat_template(template: str) -> jinja2.Template:
-    """A chat template compiled as `apply_chat_template` renders it; TokenizerError if it does not."""
+    """A chat template compiled as `apply_chat_template` renders it; TokenizerError if it does
+    not."""
     try:
         return _chat_environment().from_string(template)
     except jinja2.TemplateError as error:

@@ -9,17 +9,17 @@ context, `TILE_TOKENS` tokens at a time, with an online softmax (running max and
 Programs: one per (sequence, kv head, partition). A few sequences alone would leave most of the GPU
 idle (one sequence of the 8B shape is 8 programs on 132 SMs), so the context is split into up to
 `MAX_PARTITIONS` partitions of whole tiles ("flash decoding"): each writes its unnormalised sum with
-its max and denominator, and a second small kernel merges them. The number of partitions depends only
-on the batch size, never on the context lengths, which stay on the device: a CUDA graph captured once
-per batch size serves every length.
+its max and denominator, and a second small kernel merges them. The number of partitions depends
+only on the batch size, never on the context lengths, which stay on the device: a CUDA graph
+captured once per batch size serves every length.
 
 Products: a 16-bit cache goes through the tensor cores (16-bit inputs, fp32 accumulation; the
 probabilities are rounded to the cache's dtype for the P·V product, as FlashAttention does); an fp32
 cache through exact fp32 products (never TF32), the path held token-identical to HF.
 
 A tile of tokens may span several blocks: each token's row is found through the block table, so any
-block size works, and the context lengths may be ragged. Only imported where it is used (CUDA, or the
-interpreter in the tests): importing Triton costs time.
+block size works, and the context lengths may be ragged. Only imported where it is used (CUDA, or
+the interpreter in the tests): importing Triton costs time.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ MAX_PARTITIONS = 32
 _PROGRAMS_PER_SM = 4
 _MIN_DOT_ROWS = 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Triton's interpreter (the CPU tests) computes a bf16 tl.dot wrongly (numpy has no bf16), so there bf16
-# takes the fp32 products; fp16 runs the 16-bit path under the interpreter, the same code.
+# Triton's interpreter (the CPU tests) computes a bf16 tl.dot wrongly (numpy has no bf16), so there
+# bf16 takes the fp32 products; fp16 runs the 16-bit path under the interpreter, the same code.
 _FP32_DOT_DTYPES = (
     (torch.float32, torch.bfloat16)
     if os.environ.get("TRITON_INTERPRET") == "1"
@@ -122,8 +122,8 @@ def _paged_decode_kernel(
         else:
             scores = tl.dot(q, tl.trans(k))  # 16-bit inputs, fp32 accumulation
         scores = tl.where(token_ok[None, :], scores * scale, float("-inf"))
-        # The first tile of a partition holds at least one token (start < context_len), so the running
-        # max is finite from then on and no exp sees -inf - -inf.
+        # The first tile of a partition holds at least one token (start < context_len), so the
+        # running max is finite from then on and no exp sees -inf - -inf.
         tile_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp(running_max - tile_max)
         probs = tl.exp(scores - tile_max[:, None])
@@ -167,7 +167,8 @@ def _merge_partitions_kernel(
     PARTITIONS_PADDED: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
 ):
-    """One program per (sequence, query head): the partitions' sums, rescaled to their common max."""
+    """One program per (sequence, query head): the partitions' sums, rescaled to their common
+    max."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     parts = tl.arange(0, PARTITIONS_PADDED)
@@ -209,7 +210,8 @@ class TritonPagedDecodeAttention:
     place; the same call as `engine.paged_attention.PagedDecodeAttention` (the CPU kernel)."""
 
     def supports(self, cache: torch.Tensor) -> bool:
-        """Whether this cache (`[blocks, block_size, kv_heads, head_dim]`) is one the kernel handles."""
+        """Whether this cache (`[blocks, block_size, kv_heads, head_dim]`) is one the kernel
+        handles."""
         return (
             cache.device.type == "cuda"
             and cache.dtype in _DTYPES
@@ -227,14 +229,15 @@ class TritonPagedDecodeAttention:
         scale: float,
         num_partitions: int | None = None,
     ) -> torch.Tensor:
-        """q `[batch, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]` (K and V with
-        the same strides); `context_lens` >= 1, including the new token; returns q's shape and dtype.
-        `num_partitions` (tests) overrides `partitions_for`."""
+        """q `[batch, heads, head_dim]`; caches `[blocks, block_size, kv_heads, head_dim]` (K and V
+        with the same strides); `context_lens` >= 1, including the new token; returns q's shape and
+        dtype. `num_partitions` (tests) overrides `partitions_for`."""
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError(
-                f"K and V caches need equal strides and contiguous rows, got {k_cache.stride()} and {v_cache.stride()}"
+                f"K and V caches need equal strides and contiguous rows, got {k_cache.stride()} "
+                f"and {v_cache.stride()}"
             )
         q = q if q.stride(-1) == 1 else q.contiguous()
         block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()

@@ -1,4 +1,5 @@
-"""Turning a model spec (`default`, a GGUF file, an HF directory, or `dummy:<shape>`) into a ready model.
+"""Turning a model spec (`default`, a GGUF file, an HF directory, or `dummy:<shape>`) into a ready
+model.
 
 All sources yield tensors under HF `LlamaForCausalLM` names; `build_model` fuses q/k/v and gate/up,
 casts to the serving dtype and loads them with `assign=True` (no second copy of the weights).
@@ -87,9 +88,10 @@ def load_model(
 def _served_from_cache(
     source, config: ModelConfig, dtype: torch.dtype, device: str, build: Callable[[], LlamaModel]
 ) -> LlamaModel:
-    """The model over its serving tensors (fused, transposed) memory-mapped from the disk cache, else built
-    and cached. A worker then makes no copy of the weights but the oneDNN-packed one: building the layout
-    afresh wrote 1.4 GB of new memory, 5-15 s of page faults per worker on this VM when two start at once."""
+    """The model over its serving tensors (fused, transposed) memory-mapped from the disk cache,
+    else built and cached. A worker then makes no copy of the weights but the oneDNN-packed one:
+    building the layout afresh wrote 1.4 GB of new memory, 5-15 s of page faults per worker on this
+    VM when two start at once."""
     kind = f"serving-{str(dtype).removeprefix('torch.')}-transposed"
     cached = disk_cache.tensors(source, kind)
     if cached is not None:
@@ -97,7 +99,8 @@ def _served_from_cache(
             return model_over(config, cached, device)
         except ValueError as error:
             log.warning(
-                "the cached serving weights of %s do not fit the model (%s); reading the model file",
+                "the cached serving weights of %s do not fit the model (%s); reading the model "
+                "file",
                 source,
                 error,
             )
@@ -107,8 +110,8 @@ def _served_from_cache(
 
 
 def serving_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """Every tensor of a model laid out by `prepare_for_inference`, by name, but the oneDNN-packed copies
-    (opaque to anything but oneDNN; `model_over` packs them again)."""
+    """Every tensor of a model laid out by `prepare_for_inference`, by name, but the oneDNN-packed
+    copies (opaque to anything but oneDNN; `model_over` packs them again)."""
     return {
         name: tensor
         for name, tensor in chain(model.named_parameters(), model.named_buffers())
@@ -117,8 +120,8 @@ def serving_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
 
 
 def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: str) -> LlamaModel:
-    """The model whose linears are `TransposedLinear`s over `tensors` (as `serving_tensors` names them),
-    used in place; ValueError when they do not fit `config`."""
+    """The model whose linears are `TransposedLinear`s over `tensors` (as `serving_tensors` names
+    them), used in place; ValueError when they do not fit `config`."""
     state = dict(tensors)
     with torch.device("meta"):
         model = LlamaModel(config)
@@ -151,7 +154,8 @@ def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> Loaded
     if shape not in NAMED_SHAPES:
         raise ModelNotFoundError(f"unknown dummy shape {shape!r}; known: {', '.join(NAMED_SHAPES)}")
     config = NAMED_SHAPES[shape]
-    # Drawn where the model lives: on a GPU, an 8B shape's 8e9 draws would otherwise run on the host and cross the bus.
+    # Drawn where the model lives: on a GPU, an 8B shape's 8e9 draws would otherwise run on the host
+    # and cross the bus.
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
         model = LlamaModel(config)
@@ -205,7 +209,8 @@ def build_model(
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(
-            f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]}"
         )
     # buffers were left on meta
     model.rotary.inv_freq = rope_inv_freq(config, rope_freqs).to(device)
