@@ -1,7 +1,7 @@
 """Moving a request's KV blocks from a prefill worker to a decode worker: see `kvtransfer.base`.
 
-Transports are created by name (`create_sender("grpc", ...)`, `create_receiver("ray", ...)`) and their
-modules are imported only then.
+Transports are created by name (`create_sender("grpc", ...)`, `create_receiver("ray", ...)`) and
+their modules are imported only then.
 """
 
 from kvtransfer.base import KVReceiver, KVSender

@@ -1,4 +1,5 @@
-"""The two interfaces of a KV handoff: `KVSender` on the prefill side, `KVReceiver` on the decode side.
+"""The two interfaces of a KV handoff: `KVSender` on the prefill side, `KVReceiver` on the decode
+side.
 
 A handoff moves one request's KV blocks, whole or as layer groups, from a sender's paged cache into
 blocks the receiver reserved for it. Ownership is explicit at every step:
@@ -8,14 +9,15 @@ Sender (prefill worker)
         The sender takes over the caller's references to `block_ids`; it gives them back to its
         allocator exactly once: on acknowledgement, on abort, or when the lease expires.
     send_layers(request_id, layers) -> Optional[KVDelivery]
-        Ships layers as soon as they are computed (or all of them at once). The payload is copied out
-        of the cache before this returns, so the cache may be written again. A returned delivery (ray)
-        is a small message the caller routes to the receiver's `deliver` (in serving: the prefill
-        worker, straight to the decode worker); None means it went in-band.
+        Ships layers as soon as they are computed (or all of them at once). The payload is copied
+        out of the cache before this returns, so the cache may be written again. A returned delivery
+        (ray) is a small message the caller routes to the receiver's `deliver` (in serving: the
+        prefill worker, straight to the decode worker); None means it went in-band.
     acknowledge(request_id)     the receiver installed everything: blocks are freed.
     abort(request_id)           blocks freed now; the receiver learns in-band (grpc) or through the
                                 caller, who calls the receiver's `abort` (ray).
-    poll() -> SenderEvents      settles in-band acks and failures and expired leases, freeing blocks.
+    poll() -> SenderEvents      settles in-band acks and failures and expired leases, freeing
+    blocks.
 
 Receiver (decode worker)
     reserve(request_id, num_blocks, timeout_s) -> block ids
@@ -24,12 +26,13 @@ Receiver (decode worker)
     reserve_prompt(request_id, prompt_ids, timeout_s) -> (block ids, reused)
         The same for a prompt whose first `reused` blocks this cache already holds: only the blocks
         after them are sent (the sender's `start` gets those).
-    deliver(delivery)           installs a routed delivery (ray); in-band transports install by themselves.
-    poll() -> ReceiverEvents    ready requests (every layer arrived, every checksum verified) pass their
-                                block ids to the caller, who owns them from then on; failed, aborted
-                                and expired requests have their blocks freed.
-    abort(request_id)           frees the reservation now; the sender learns in-band (grpc) or through
-                                the caller, who calls the sender's `abort` (ray).
+    deliver(delivery)           installs a routed delivery (ray); in-band transports install by
+    themselves. poll() -> ReceiverEvents    ready requests (every layer arrived, every checksum
+                                verified) pass their block ids to the caller, who owns them from
+                                then on; failed, aborted and expired requests have their blocks
+                                freed.
+    abort(request_id)           frees the reservation now; the sender learns in-band (grpc) or
+                                through the caller, who calls the sender's `abort` (ray).
 
 Both sides touch their allocator only from the thread that calls these methods; transport threads
 only write into reserved blocks and note events for `poll`.
@@ -62,11 +65,12 @@ class KVSender(ABC):
         self.sender_id = sender_id
         self.epoch = epoch
         self.ledger = SenderLedger(allocator)
-        # Host buffers; pinned when the cache is on a GPU (engine.kv_cache.PagedKVCache.export_blocks stages
-        # device KV through them on a side stream).
+        # Host buffers; pinned when the cache is on a GPU
+        # (engine.kv_cache.PagedKVCache.export_blocks stages device KV through them on a side
+        # stream).
         self._staging = BufferPool(pin_memory=cache.kv.device.type == "cuda")
-        # A transport that streams (grpc) calls this with the request id between a group's header and its
-        # payload (tests hold a transfer there: runtime.parking.Parking).
+        # A transport that streams (grpc) calls this with the request id between a group's header
+        # and its payload (tests hold a transfer there: runtime.parking.Parking).
         self.between_header_and_payload: Optional[Callable[[str], None]] = None
 
     @abstractmethod
@@ -132,7 +136,8 @@ class KVSender(ABC):
         return header, data, buffer
 
     def _checksum(self, data: torch.Tensor) -> int:
-        """The header's checksum of an exported group (XXH3-64 of its bytes; rdt on device memory differs)."""
+        """The header's checksum of an exported group (XXH3-64 of its bytes; rdt on device memory
+        differs)."""
         return checksum(as_bytes_view(data))
 
     def all_layers_sent(self, held: HeldRequest) -> bool:
@@ -140,7 +145,8 @@ class KVSender(ABC):
 
 
 class KVReceiver(Reservations, ABC):
-    """The receiving end: its reservations (kvtransfer/reservations.py), plus where senders reach it."""
+    """The receiving end: its reservations (kvtransfer/reservations.py), plus where senders reach
+    it."""
 
     def __init__(self, cache: PagedKVCache, allocator: BlockAllocator):
         super().__init__(cache, allocator)
@@ -157,9 +163,10 @@ class KVReceiver(Reservations, ABC):
     def _install_routed(
         self, encoded_header: bytes, receive: Callable[[KVGroupHeader], bool]
     ) -> bool:
-        """A routed delivery (ray, rdt): its header decoded and checked, then `receive(header)` fetches
-        and installs the payload; True once the request has all its layers. On any `KVTransferError`
-        the request fails (its blocks freed at the next `poll`) and the error is raised."""
+        """A routed delivery (ray, rdt): its header decoded and checked, then `receive(header)`
+        fetches and installs the payload; True once the request has all its layers. On any
+        `KVTransferError` the request fails (its blocks freed at the next `poll`) and the error is
+        raised."""
         header = None
         try:
             header = KVGroupHeader.decode(encoded_header, self.layout)

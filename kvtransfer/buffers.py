@@ -14,8 +14,8 @@ import torch
 class BufferPool:
     """Byte buffers (flat uint8 tensors) handed out by `acquire` and returned by `release`.
 
-    A buffer is owned by whoever acquired it until it is released; the pool keeps every buffer it ever
-    made, growing only when no free one is large enough. Thread-safe.
+    A buffer is owned by whoever acquired it until it is released; the pool keeps every buffer it
+    ever made, growing only when no free one is large enough. Thread-safe.
     """
 
     def __init__(
@@ -25,7 +25,8 @@ class BufferPool:
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
     ):
-        """`pin_memory`: page-locked host buffers, for staging the KV of a CUDA cache (fast, asynchronous copies)."""
+        """`pin_memory`: page-locked host buffers, for staging the KV of a CUDA cache (fast,
+        asynchronous copies)."""
         self._lock = threading.Lock()
         self.device = torch.device(device)
         self.pin_memory = pin_memory

@@ -6,13 +6,14 @@ an H200, where CUDA IPC between two processes measured 221-861 GB/s. With `PDSER
 the workers' environment, a `ray` sender whose cache is on CUDA instead:
   - gathers each layer group into a buffer on its device (a reused pool, like the host one), takes
     `device_checksum` of it there (the rdt transport's integrity rule for device memory), waits for
-    the gather, and keeps the buffer until ack, abort or lease expiry (the contract of every sender);
+    the gather, and keeps the buffer until ack, abort or lease expiry (the contract of every
+    sender);
   - routes a `CudaIpcKVDelivery`: the encoded header, the CUDA IPC handle of the buffer as plain
     Python values (it travels between the workers in a Ray call), and its GPU's UUID.
-The receiver opens the handle only if its own cache is on the GPU of that UUID, copies the group into
-a buffer of its own, verifies the checksum on that copy (so a buffer a sender reused after an abort is
-caught, never installed) and installs it. A receiver on another GPU fails the request at the first
-message with an error naming both GPUs: nothing falls back silently.
+The receiver opens the handle only if its own cache is on the GPU of that UUID, copies the group
+into a buffer of its own, verifies the checksum on that copy (so a buffer a sender reused after an
+abort is caught, never installed) and installs it. A receiver on another GPU fails the request at
+the first message with an error naming both GPUs: nothing falls back silently.
 
 Fenced: off unless the environment variable is set, and both ends check the device. Tested on CPU
 with the IPC calls replaced (tests/test_kv_cuda_ipc.py); the CUDA IPC calls themselves run only on a
@@ -33,7 +34,8 @@ ENV = "PDSERVE_KV_CUDA_IPC"
 @dataclass(frozen=True)
 class CudaIpcKVDelivery:
     """One layer group shared in device memory: the encoded `KVGroupHeader`, `share`'s handle and
-    the UUID of the GPU holding it. Plain values only: it travels in a Ray call (prefill -> decode)."""
+    the UUID of the GPU holding it. Plain values only: it travels in a Ray call (prefill ->
+    decode)."""
 
     header: bytes
     handle: tuple
@@ -41,7 +43,8 @@ class CudaIpcKVDelivery:
 
 
 def device_uuid(device: torch.device) -> Optional[str]:
-    """The GPU's UUID (one card seen from two processes, whatever their CUDA_VISIBLE_DEVICES say)."""
+    """The GPU's UUID (one card seen from two processes, whatever their CUDA_VISIBLE_DEVICES
+    say)."""
     if device.type != "cuda":
         return None
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)

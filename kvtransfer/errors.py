@@ -6,7 +6,8 @@ from typing import Optional
 
 
 class KVTransferError(RuntimeError):
-    """Base of every kvtransfer failure; `request_id` is None where the message could not be read."""
+    """Base of every kvtransfer failure; `request_id` is None where the message could not be
+    read."""
 
     def __init__(self, message: str, request_id: Optional[str] = None):
         super().__init__(message)
@@ -14,7 +15,8 @@ class KVTransferError(RuntimeError):
 
 
 class WireFormatError(KVTransferError):
-    """A message that is not a well-formed KV header (missing field, wrong type, truncated payload)."""
+    """A message that is not a well-formed KV header (missing field, wrong type, truncated
+    payload)."""
 
 
 class WireVersionError(WireFormatError):
@@ -22,15 +24,18 @@ class WireVersionError(WireFormatError):
 
 
 class LayoutMismatchError(KVTransferError):
-    """The peer's KV layout fingerprint (layers, kv heads, head dim, block size, dtype) differs from ours."""
+    """The peer's KV layout fingerprint (layers, kv heads, head dim, block size, dtype) differs from
+    ours."""
 
 
 class ChecksumError(KVTransferError):
-    """A payload whose checksum does not match its header: corrupted in flight, nothing installed."""
+    """A payload whose checksum does not match its header: corrupted in flight, nothing
+    installed."""
 
 
 class UnknownRequestError(KVTransferError):
-    """KV for a request the receiver holds no reservation for (never reserved, expired, or aborted)."""
+    """KV for a request the receiver holds no reservation for (never reserved, expired, or
+    aborted)."""
 
 
 class TransferAbortedError(KVTransferError):
@@ -38,7 +43,8 @@ class TransferAbortedError(KVTransferError):
 
 
 class LeaseExpiredError(KVTransferError):
-    """The sender's lease ran out before the receiver acknowledged; the sender's blocks were freed."""
+    """The sender's lease ran out before the receiver acknowledged; the sender's blocks were
+    freed."""
 
 
 class ReservationExpiredError(KVTransferError):

@@ -1,12 +1,13 @@
-"""The `grpc` transport: a client-streaming gRPC service on the receiver; no Ray needed between the ends.
+"""The `grpc` transport: a client-streaming gRPC service on the receiver; no Ray needed between the
+ends.
 
-One `Push` stream carries one request: for each layer group, an encoded `KVGroupHeader` frame followed
-by raw payload chunks of `chunk_bytes` (1-4 MiB; protobuf `bytes` fields and single huge messages are
-5-15x slower here). Frames use the identity serializer: the receiver only ever parses msgpack headers
-and copies raw bytes into a preallocated, reused buffer, then verifies the checksum. The stream's
-response is the acknowledgement; errors come back as gRPC statuses whose details name the kvtransfer
-error type, which the sender raises again as that type. The sender's stream stays open until all
-layers are sent, so layer groups go out while later layers are still being computed.
+One `Push` stream carries one request: for each layer group, an encoded `KVGroupHeader` frame
+followed by raw payload chunks of `chunk_bytes` (1-4 MiB; protobuf `bytes` fields and single huge
+messages are 5-15x slower here). Frames use the identity serializer: the receiver only ever parses
+msgpack headers and copies raw bytes into a preallocated, reused buffer, then verifies the checksum.
+The stream's response is the acknowledgement; errors come back as gRPC statuses whose details name
+the kvtransfer error type, which the sender raises again as that type. The sender's stream stays
+open until all layers are sent, so layer groups go out while later layers are still being computed.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _status_for(error: errors.KVTransferError) -> grpc.StatusCode:
 
 
 def _error_from_rpc(error: grpc.RpcError, request_id: str) -> errors.KVTransferError:
-    """The receiver's typed error, rebuilt from a status whose details read "<ErrorName>: message"."""
+    """The receiver's typed error, rebuilt from a status whose details read "<ErrorName>:
+    message"."""
     details = error.details() or ""
     name, _, message = details.partition(": ")
     cls = _ERRORS_BY_NAME.get(name)
@@ -287,14 +289,16 @@ class GrpcKVReceiver(KVReceiver):
                 groups += 1
             if not ready:
                 raise errors.TransferAbortedError(
-                    f"KV stream of request {request_id!r} ended after {groups} layer groups, before all layers",
+                    f"KV stream of request {request_id!r} ended after {groups} layer groups, "
+                    "before all layers",
                     request_id,
                 )
         except errors.KVTransferError as error:
             failure = error
         except Exception as error:  # the stream broke: sender cancelled, died or timed out
             failure = errors.TransferAbortedError(
-                f"KV stream of request {request_id!r} broke mid-transfer: {type(error).__name__} {error}",
+                f"KV stream of request {request_id!r} broke mid-transfer: {type(error).__name__} "
+                f"{error}",
                 request_id,
             )
         finally:

@@ -92,8 +92,8 @@ class SenderLedger:
                 (
                     held.request_id,
                     LeaseExpiredError(
-                        f"no acknowledgement for request {held.request_id!r} before its lease expired; "
-                        f"{len(held.block_ids)} blocks freed",
+                        f"no acknowledgement for request {held.request_id!r} before its lease "
+                        f"expired; {len(held.block_ids)} blocks freed",
                         held.request_id,
                     ),
                 )

@@ -4,12 +4,12 @@ The sender copies a layer group into a reused staging buffer and `ray.put`s its 
 (one copy into the store; a plain `ray.put(tensor)` is ~10x slower here). Only the small
 `RayKVDelivery` (header bytes + ObjectRef) travels, routed by the caller to the receiver's `deliver`
 (in serving the prefill worker sends it to the decode worker itself, never through the router),
-which maps the object read-only (`ray.get` of a numpy array is zero-copy), checks the checksum and installs
-it. The sender keeps the ObjectRefs alive with its blocks until ack, abort or lease expiry; if the
-sender's process dies, its objects die with it and the receiver's `ray.get` fails the request.
-Acks and aborts travel through the caller too: installed -> `sender.acknowledge` (in serving the
-decode worker calls the prefill worker's `acknowledge` itself; aborts come from the router).
-Between two workers on one GPU, `PDSERVE_KV_CUDA_IPC=1` keeps the payload on the device
+which maps the object read-only (`ray.get` of a numpy array is zero-copy), checks the checksum and
+installs it. The sender keeps the ObjectRefs alive with its blocks until ack, abort or lease expiry;
+if the sender's process dies, its objects die with it and the receiver's `ray.get` fails the
+request. Acks and aborts travel through the caller too: installed -> `sender.acknowledge` (in
+serving the decode worker calls the prefill worker's `acknowledge` itself; aborts come from the
+router). Between two workers on one GPU, `PDSERVE_KV_CUDA_IPC=1` keeps the payload on the device
 (kvtransfer/cuda_ipc.py): the delivery is then a `CudaIpcKVDelivery`.
 """
 

@@ -1,18 +1,23 @@
-"""The `rdt` transport: layer groups move actor to actor through Ray Direct Transport, not the object store.
+"""The `rdt` transport: layer groups move actor to actor through Ray Direct Transport, not the
+object store.
 
 What Ray 2.60 offers (alpha), and what this uses
-    An actor task called with `tensor_transport=` ("gloo" for CPU tensors, "nccl" for CUDA ones, both
-    two-sided collectives; "nixl", one-sided) leaves the tensors it returns in that actor; they move only
-    when the ObjectRef is passed, as a direct argument, to a task of another actor. For gloo and nccl:
+    An actor task called with `tensor_transport=` ("gloo" for CPU tensors, "nccl" for CUDA ones,
+    both two-sided collectives; "nixl", one-sided) leaves the tensors it returns in that actor; they
+    move only when the ObjectRef is passed, as a direct argument, to a task of another actor. For
+    gloo and nccl:
     (a) both actors must be members of one collective group (`ray.experimental.collective`), formed
-    before any transfer; each actor is in at most one group per backend, and a gloo group's members are
-    fixed for the life of their processes (torch.distributed's default group is set up once per process);
-    (b) Ray keeps the group's handle per process: only a process that holds it can submit such tasks;
-    (c) `ray.get` of such a ref is refused; (d) a system-level failure during a transfer (an actor dying,
-    the 60 s fetch timeout) makes Ray kill both actors and destroy the group; (e) the actor classes need
-    `enable_tensor_transport=True`, which gives each a one-thread `_ray_system` concurrency group where
-    Ray runs its send and receive tasks. Ray's docs leave asyncio actors (both our workers) out of RDT;
-    the one-transfer rule below is what makes them safe here.
+    before any transfer; each actor is in at most one group per backend, and a gloo group's members
+    are fixed for the life of their processes (torch.distributed's default group is set up once per
+    process);
+    (b) Ray keeps the group's handle per process: only a process that holds it can submit such
+        tasks;
+    (c) `ray.get` of such a ref is refused; (d) a system-level failure during a transfer (an actor
+        dying,
+    the 60 s fetch timeout) makes Ray kill both actors and destroy the group; (e) the actor classes
+    need `enable_tensor_transport=True`, which gives each a one-thread `_ray_system` concurrency
+    group where Ray runs its send and receive tasks. Ray's docs leave asyncio actors (both our
+    workers) out of RDT; the one-transfer rule below is what makes them safe here.
 
 How a handoff moves (nothing travels through the object store but the small routed message)
     The sender (prefill worker) copies a layer group into a staging buffer on the cache's device,
@@ -20,30 +25,33 @@ How a handoff moves (nothing travels through the object store but the small rout
     handle and the sender's key) is routed, as for `ray`, by the caller to the receiver's `deliver`
     (in serving: the prefill worker, straight to the decode worker). The
     receiver (decode worker) pulls: it calls the sender actor for the staged tensor with
-    `tensor_transport=backend` (so this process owns the ref), passes that ref to an install task on its
-    own actor, and Ray moves the bytes sender -> receiver over the group. The install task verifies the
-    checksum and writes the group into the reserved blocks; `deliver` returns its answer. So the decode
-    workers submit the RDT tasks: `form_group` (the driver, once at start, over every worker) registers
-    the group in each of them (b). Both ends run these tasks in their `pdserve_kv` concurrency group, away
-    from the actor's own calls. One transfer at a time per receiver: a two-sided send and its receive pair
-    up in order on each actor's one RDT thread; with at most one receive outstanding per decode worker,
-    the send at the head of every prefill worker's queue always has its receive posted, so transfers can
-    never wait on each other in a cycle.
+    `tensor_transport=backend` (so this process owns the ref), passes that ref to an install task on
+    its own actor, and Ray moves the bytes sender -> receiver over the group. The install task
+    verifies the checksum and writes the group into the reserved blocks; `deliver` returns its
+    answer. So the decode workers submit the RDT tasks: `form_group` (the driver, once at start,
+    over every worker) registers the group in each of them (b). Both ends run these tasks in their
+    `pdserve_kv` concurrency group, away from the actor's own calls. One transfer at a time per
+    receiver: a two-sided send and its receive pair up in order on each actor's one RDT thread; with
+    at most one receive outstanding per decode worker, the send at the head of every prefill
+    worker's queue always has its receive posted, so transfers can never wait on each other in a
+    cycle.
 
 Integrity
-    CPU (gloo): the XXH3-64 checksum of every transport, computed by the sender at export, verified by the
-    install task before anything is written. Device memory (nccl): XXH3 runs on the host, and hashing
-    there would copy every byte off the device, the copy RDT exists to avoid. The header's checksum is
-    then `device_checksum`, computed on the device at both ends: the sum of (2i+1) * word_i over the
-    payload's signed 32-bit words, mod 2^64 (an odd weight is invertible mod 2^64, so any one corrupted
-    word changes it). A device payload is verified with it before install, exactly as a CPU one.
+    CPU (gloo): the XXH3-64 checksum of every transport, computed by the sender at export, verified
+    by the install task before anything is written. Device memory (nccl): XXH3 runs on the host, and
+    hashing there would copy every byte off the device, the copy RDT exists to avoid. The header's
+    checksum is then `device_checksum`, computed on the device at both ends: the sum of (2i+1) *
+    word_i over the payload's signed 32-bit words, mod 2^64 (an odd weight is invertible mod 2^64,
+    so any one corrupted word changes it). A device payload is verified with it before install,
+    exactly as a CPU one.
 
 Ownership and failure
-    Staged buffers are the sender's until ack, abort or lease expiry (RDT holds a reference, not a copy);
-    each group can be pulled once. A pull that finds nothing (aborted, expired, pulled) or a sender that
-    died before the pull fails the request (freed at the receiver's next `poll`). A sender dying *during*
-    a transfer is (d): Ray kills the decode worker too, and the router fails its requests over as for any
-    worker death. Acks and aborts travel through the caller, as for `ray`.
+    Staged buffers are the sender's until ack, abort or lease expiry (RDT holds a reference, not a
+    copy); each group can be pulled once. A pull that finds nothing (aborted, expired, pulled) or a
+    sender that died before the pull fails the request (freed at the receiver's next `poll`). A
+    sender dying *during* a transfer is (d): Ray kills the decode worker too, and the router fails
+    its requests over as for any worker death. Acks and aborts travel through the caller, as for
+    `ray`.
 """
 
 from __future__ import annotations
@@ -70,16 +78,17 @@ _DEVICE_CHECKSUM_CHUNK_WORDS = 1 << 24
 
 
 def actor_class_options() -> dict:
-    """What an actor class holding either end needs: `ray.remote(**actor_class_options())(Worker)` (Ray
-    reads both at class creation, not from `.options()`)."""
+    """What an actor class holding either end needs: `ray.remote(**actor_class_options())(Worker)`
+    (Ray reads both at class creation, not from `.options()`)."""
     return {"enable_tensor_transport": True, "concurrency_groups": {CONCURRENCY_GROUP: 1}}
 
 
 def form_group(
     senders: Sequence, receivers: Sequence, backend: str = "gloo", name: Optional[str] = None
 ) -> str:
-    """Once, before any handoff: one collective group over every sender and receiver actor, registered in
-    each receiver's process, where transfers are submitted. Blocks until every member joined."""
+    """Once, before any handoff: one collective group over every sender and receiver actor,
+    registered in each receiver's process, where transfers are submitted. Blocks until every member
+    joined."""
     from ray.experimental.collective import create_collective_group
 
     group = create_collective_group(
@@ -96,8 +105,8 @@ def _register_group(_actor, group) -> None:
 
 
 def device_checksum(payload: torch.Tensor) -> int:
-    """sum((2i + 1) * word_i) mod 2^64 over the signed 32-bit words of a flat uint8 tensor, computed where
-    it lives (int64 arithmetic wraps mod 2^64)."""
+    """sum((2i + 1) * word_i) mod 2^64 over the signed 32-bit words of a flat uint8 tensor, computed
+    where it lives (int64 arithmetic wraps mod 2^64)."""
     words = payload.view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=payload.device)
     for start in range(0, words.numel(), _DEVICE_CHECKSUM_CHUNK_WORDS):
@@ -132,12 +141,14 @@ def _local_end(key: str, request_id: str):
 
 
 def _staged_payload(_actor, sender_key: str, request_id: str, layer_start: int) -> torch.Tensor:
-    """On the sender's actor: the staged group; Ray keeps it there and sends it to whoever gets the ref."""
+    """On the sender's actor: the staged group; Ray keeps it there and sends it to whoever gets the
+    ref."""
     return _local_end(sender_key, request_id).take_staged(request_id, layer_start)
 
 
 def _install_payload(_actor, receiver_key: str, header: bytes, payload: torch.Tensor) -> bool:
-    """On the receiver's actor, once Ray received the payload: verify it and write it into the blocks."""
+    """On the receiver's actor, once Ray received the payload: verify it and write it into the
+    blocks."""
     receiver = _local_end(receiver_key, None)
     return receiver.install_payload(KVGroupHeader.decode(header, receiver.layout), payload)
 
@@ -198,8 +209,8 @@ class RdtKVSender(KVSender):
             payload = self._staged.pop((request_id, layer_start), None)
         if payload is None:
             raise TransferAbortedError(
-                f"KV of request {request_id!r}, layers from {layer_start}, is not staged on this sender "
-                f"(acknowledged, aborted, lease expired, or already pulled)",
+                f"KV of request {request_id!r}, layers from {layer_start}, is not staged on this "
+                "sender (acknowledged, aborted, lease expired, or already pulled)",
                 request_id,
             )
         return payload
@@ -237,8 +248,8 @@ class RdtKVReceiver(KVReceiver):
         _LOCAL_ENDS[self.key] = self
 
     def deliver(self, delivery: RdtKVDelivery) -> bool:
-        """Pull and install one routed layer group; True once the request has all its layers. Raises a
-        `KVTransferError` (and fails the request, freed at the next `poll`) on any problem."""
+        """Pull and install one routed layer group; True once the request has all its layers. Raises
+        a `KVTransferError` (and fails the request, freed at the next `poll`) on any problem."""
         return self._install_routed(delivery.header, lambda header: self._pull(delivery, header))
 
     def _pull(self, delivery: RdtKVDelivery, header: KVGroupHeader) -> bool:
@@ -263,8 +274,8 @@ class RdtKVReceiver(KVReceiver):
     @staticmethod
     def _unreachable(header: KVGroupHeader, error: Exception) -> TransferAbortedError:
         return TransferAbortedError(
-            f"KV payload of request {header.request_id!r}, layers [{header.layer_start}, {header.layer_stop}), "
-            f"did not arrive (sender gone?): {type(error).__name__}: {error}",
+            f"KV payload of request {header.request_id!r}, layers [{header.layer_start}, "
+            f"{header.layer_stop}), did not arrive (sender gone?): {type(error).__name__}: {error}",
             header.request_id,
         )
 
@@ -276,8 +287,8 @@ class RdtKVReceiver(KVReceiver):
             or payload.numel() != header.payload_bytes
         ):
             raise WireFormatError(
-                f"KV payload of request {header.request_id!r}: {payload.dtype} {tuple(payload.shape)} received, "
-                f"{header.payload_bytes} bytes (uint8) expected",
+                f"KV payload of request {header.request_id!r}: {payload.dtype} "
+                f"{tuple(payload.shape)} received, {header.payload_bytes} bytes (uint8) expected",
                 header.request_id,
             )
         if payload.device.type == "cpu":

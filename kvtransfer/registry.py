@@ -34,10 +34,12 @@ def _load(name: str, attribute: str) -> type:
 
 
 def create_sender(name: str, *args, **kwargs) -> KVSender:
-    """A sender of the named transport: `create_sender("grpc", cache, allocator, sender_id, epoch)`."""
+    """A sender of the named transport: `create_sender("grpc", cache, allocator, sender_id,
+    epoch)`."""
     return _load(name, "sender_class")(*args, **kwargs)
 
 
 def create_receiver(name: str, *args, **kwargs) -> KVReceiver:
-    """A receiver of the named transport: `create_receiver("grpc", cache, allocator, host=..., port=0)`."""
+    """A receiver of the named transport: `create_receiver("grpc", cache, allocator, host=...,
+    port=0)`."""
     return _load(name, "receiver_class")(*args, **kwargs)

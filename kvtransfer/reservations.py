@@ -1,14 +1,15 @@
 """The receiver's side of block ownership: reservations that KV layer groups are installed into.
 
-The decode worker reserves a request's blocks (`reserve`, which allocates them) before any KV is sent.
-With `reserve_prompt`, the leading blocks of the prompt that this cache already holds (an earlier turn
-of the conversation, a shared system prompt) are taken as they are, one more reference each, and only
-the blocks after them are sent. Transports install verified layer groups into the rest from any thread
-(`install`); a request is ready only once every layer has arrived and passed its checksum. The
-allocator is touched only by the owner's thread: in `reserve`, `abort` and `poll`. `poll` hands ready
-requests' blocks (reused ones first) to the caller (ownership moves; the caller frees them when the
-sequence ends) and frees the blocks of requests that failed, were aborted by the sender, or whose
-reservation expired. A reused block is never evicted while reserved: its reference keeps it.
+The decode worker reserves a request's blocks (`reserve`, which allocates them) before any KV is
+sent. With `reserve_prompt`, the leading blocks of the prompt that this cache already holds (an
+earlier turn of the conversation, a shared system prompt) are taken as they are, one more reference
+each, and only the blocks after them are sent. Transports install verified layer groups into the
+rest from any thread (`install`); a request is ready only once every layer has arrived and passed
+its checksum. The allocator is touched only by the owner's thread: in `reserve`, `abort` and `poll`.
+`poll` hands ready requests' blocks (reused ones first) to the caller (ownership moves; the caller
+frees them when the sequence ends) and frees the blocks of requests that failed, were aborted by the
+sender, or whose reservation expired. A reused block is never evicted while reserved: its reference
+keeps it.
 """
 
 from __future__ import annotations
@@ -68,20 +69,21 @@ class Reservations:
         self.clock = clock
         self._lock = threading.Lock()
         self._by_request: dict[str, _Reservation] = {}
-        # Called with the request id once a group's header passed `check`, before its payload is read
-        # (tests hold a transfer there: runtime.parking.Parking).
+        # Called with the request id once a group's header passed `check`, before its payload is
+        # read (tests hold a transfer there: runtime.parking.Parking).
         self.before_payload: Optional[Callable[[str], None]] = None
 
     def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
-        """Allocates `num_blocks` blocks for KV yet to arrive (OutOfBlocksError when they are not free)."""
+        """Allocates `num_blocks` blocks for KV yet to arrive (OutOfBlocksError when they are not
+        free)."""
         self._check_new(request_id)
         return self._add(request_id, self.allocator.allocate(num_blocks), 0, timeout_s)
 
     def reserve_prompt(
         self, request_id: str, prompt_ids: Sequence[int], timeout_s: float
     ) -> tuple[list[int], int]:
-        """Blocks for a prompt's KV, reusing the cached blocks of its prefix; returns (all its block ids,
-        how many leading ones are reused: the sender skips those)."""
+        """Blocks for a prompt's KV, reusing the cached blocks of its prefix; returns (all its block
+        ids, how many leading ones are reused: the sender skips those)."""
         self._check_new(request_id)
         block_ids, cached_tokens = self.allocator.allocate_prompt(prompt_ids)
         num_reused = cached_tokens // self.allocator.block_size_tokens
@@ -107,8 +109,9 @@ class Reservations:
         return list(block_ids)
 
     def renew(self, request_id: str, timeout_s: float) -> bool:
-        """Any thread: the reservation's deadline becomes now + `timeout_s` (the sender has not started
-        yet: its prompt waits to be prefilled). False when there is no such reservation any more."""
+        """Any thread: the reservation's deadline becomes now + `timeout_s` (the sender has not
+        started yet: its prompt waits to be prefilled). False when there is no such reservation any
+        more."""
         with self._lock:
             reservation = self._by_request.get(request_id)
         if reservation is None:
@@ -124,14 +127,15 @@ class Reservations:
             reservation = self._by_request.get(request_id)
         if reservation is None:
             raise UnknownRequestError(
-                f"no KV reservation for request {request_id!r} (never reserved, expired or aborted)",
+                f"no KV reservation for request {request_id!r} (never reserved, expired or "
+                "aborted)",
                 request_id,
             )
         return reservation
 
     def check(self, header: KVGroupHeader) -> None:
-        """Any thread: reject a group before its payload is read (unknown request, wrong block count,
-        another sender, layers already installed)."""
+        """Any thread: reject a group before its payload is read (unknown request, wrong block
+        count, another sender, layers already installed)."""
         reservation = self._get(header.request_id)
         with reservation.lock:
             self._check_locked(reservation, header)
@@ -152,7 +156,8 @@ class Reservations:
         sender = (header.sender_id, header.sender_epoch)
         if reservation.sender is not None and reservation.sender != sender:
             raise TransferAbortedError(
-                f"request {header.request_id!r} is bound to sender {reservation.sender}, not {sender}",
+                f"request {header.request_id!r} is bound to sender {reservation.sender}, not "
+                f"{sender}",
                 header.request_id,
             )
         if header.num_blocks != len(reservation.block_ids) - reservation.num_reused:
@@ -163,8 +168,8 @@ class Reservations:
             )
         if any(reservation.layers_arrived[header.layer_start : header.layer_stop]):
             raise WireFormatError(
-                f"request {header.request_id!r}: layers [{header.layer_start}, {header.layer_stop}) "
-                f"overlap layers already installed",
+                f"request {header.request_id!r}: layers [{header.layer_start}, "
+                f"{header.layer_stop}) overlap layers already installed",
                 header.request_id,
             )
 
@@ -185,8 +190,8 @@ class Reservations:
             if actual != header.checksum:
                 reservation.error = ChecksumError(
                     f"KV payload of request {header.request_id!r}, layers [{header.layer_start}, "
-                    f"{header.layer_stop}): checksum {actual:#018x} != header {header.checksum:#018x}; "
-                    f"nothing installed",
+                    f"{header.layer_stop}): checksum {actual:#018x} != header "
+                    f"{header.checksum:#018x}; nothing installed",
                     header.request_id,
                 )
                 raise reservation.error
@@ -205,8 +210,9 @@ class Reservations:
     def fail(
         self, request_id: str, error: KVTransferError, sender: Optional[tuple[str, int]] = None
     ) -> None:
-        """Any thread: mark a request failed (its blocks are freed at the next `poll`). With `sender`,
-        only if the reservation is not bound to another sender (a stale epoch cannot abort it)."""
+        """Any thread: mark a request failed (its blocks are freed at the next `poll`). With
+        `sender`, only if the reservation is not bound to another sender (a stale epoch cannot abort
+        it)."""
         with self._lock:
             reservation = self._by_request.get(request_id)
         if reservation is not None:

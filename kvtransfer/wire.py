@@ -5,9 +5,10 @@ blocks, exported by `PagedKVCache.export_blocks` as a contiguous
 `[layers, 2, num_blocks, block_size_tokens, kv_heads, head_dim]` tensor, shipped as its bytes.
 The header carries the format version, the handoff identity (request id, sender id and epoch), the
 layout fingerprint (the `KVLayout` fields), the layer range, the block count, the payload length and
-an XXH3-64 checksum of the payload (v1 used CRC-32: 4 GB/s here, XXH3 30 GB/s; `rdt` on device memory
-puts its on-device checksum there, kvtransfer/rdt_transport.py). A receiver checks version and layout
-on the first message it reads and fails with a typed error; nothing received is ever unpickled.
+an XXH3-64 checksum of the payload (v1 used CRC-32: 4 GB/s here, XXH3 30 GB/s; `rdt` on device
+memory puts its on-device checksum there, kvtransfer/rdt_transport.py). A receiver checks version
+and layout on the first message it reads and fails with a typed error; nothing received is ever
+unpickled.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class KVGroupHeader:
                 if getattr(layout, name) != getattr(expected_layout, name)
             ]
             raise LayoutMismatchError(
-                f"KV layout of sender {header.sender_id!r} does not match this receiver: {', '.join(differing)}",
+                f"KV layout of sender {header.sender_id!r} does not match this receiver: "
+                f"{', '.join(differing)}",
                 request_id,
             )
         header.validate_shape()
@@ -128,7 +130,8 @@ class KVGroupHeader:
     def validate_shape(self) -> None:
         if not 0 <= self.layer_start < self.layer_stop <= self.layout.num_layers:
             raise WireFormatError(
-                f"layer range [{self.layer_start}, {self.layer_stop}) outside [0, {self.layout.num_layers})",
+                f"layer range [{self.layer_start}, {self.layer_stop}) outside [0, "
+                f"{self.layout.num_layers})",
                 self.request_id,
             )
         if self.num_blocks < 1:
@@ -140,16 +143,16 @@ class KVGroupHeader:
         )
         if self.payload_bytes != expected:
             raise WireFormatError(
-                f"payload_bytes {self.payload_bytes} != {expected} for {self.layer_stop - self.layer_start} "
-                f"layers x {self.num_blocks} blocks",
+                f"payload_bytes {self.payload_bytes} != {expected} for "
+                f"{self.layer_stop - self.layer_start} layers x {self.num_blocks} blocks",
                 self.request_id,
             )
 
 
 def _layout(values: Any) -> KVLayout:
-    """A layout as sent: a list of its fields, each of its own type. Refused, not converted, when one is
-    not: 4.0 or True compare equal to 4 or 1, so they would pass the comparison with ours and flow into
-    tensor shapes."""
+    """A layout as sent: a list of its fields, each of its own type. Refused, not converted, when
+    one is not: 4.0 or True compare equal to 4 or 1, so they would pass the comparison with ours and
+    flow into tensor shapes."""
     if not isinstance(values, list) or len(values) != len(_LAYOUT_FIELDS):
         raise TypeError(f"field 'layout' must be a list of {len(_LAYOUT_FIELDS)} values")
     return KVLayout(
@@ -182,8 +185,8 @@ def as_bytes_view(tensor: torch.Tensor) -> np.ndarray:
 def payload_as_kv(payload: Any, header: KVGroupHeader) -> torch.Tensor:
     """View (no copy) a received payload buffer as the `[layers, 2, blocks, ...]` tensor it encodes.
 
-    The buffer may be read-only (a Ray object store mapping); the tensor is only ever read from. A uint8
-    tensor (rdt, on the device it arrived on) is viewed as it is.
+    The buffer may be read-only (a Ray object store mapping); the tensor is only ever read from. A
+    uint8 tensor (rdt, on the device it arrived on) is viewed as it is.
     """
     if isinstance(payload, torch.Tensor):
         data = payload.reshape(-1).view(torch.uint8)[: header.payload_bytes]
