@@ -1,7 +1,8 @@
-"""The chained hashes of KV blocks: how the engines name a full block of prompt tokens in their prefix
-caches (engine/block_manager.py), the names their hash events report, and how the router computes a
-prompt's to look them up in its index of which worker holds which prefix (router/kv_index.py). Both
-sides must chain them identically, so the rule is here, where both may import it.
+"""The chained hashes of KV blocks: how the engines name a full block of prompt tokens in their
+prefix caches (engine/block_manager.py), the names their hash events report, and how the router
+computes a prompt's to look them up in its index of which worker holds which prefix
+(router/kv_index.py). Both sides must chain them identically, so the rule is here, where both may
+import it.
 
 A block's hash covers its own token ids and, through its predecessor's hash, every token before it:
 two prompts share a block's hash exactly when they share the whole prefix up to its end.
@@ -24,8 +25,8 @@ def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size_tokens: int) -> list[bytes]:
-    """The chained hashes of a prompt's blocks that a cache could serve: its full blocks, short of the
-    last token (whose logits must be computed)."""
+    """The chained hashes of a prompt's blocks that a cache could serve: its full blocks, short of
+    the last token (whose logits must be computed)."""
     hashes, parent = [], NO_PARENT
     for index in range((len(prompt_token_ids) - 1) // block_size_tokens):
         parent = chain_hash(

@@ -1,7 +1,7 @@
-"""The typed replies of router -> worker calls (Ray actor calls; the requests are in `requests`): what a
-worker says about itself (`WorkerInfo`), its load (`WorkerLoad`), and a prefill's answer
-(`PrefillResult`). Replies are values, not exceptions: a decode worker without room for a reservation
-answers None (`DecodeWorker.reserve`)."""
+"""The typed replies of router -> worker calls (Ray actor calls; the requests are in `requests`):
+what a worker says about itself (`WorkerInfo`), its load (`WorkerLoad`), and a prefill's answer
+(`PrefillResult`). Replies are values, not exceptions: a decode worker without room for a
+reservation answers None (`DecodeWorker.reserve`)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ class PrefillResult:
     kv_bytes: int
     # time.time() the KV handoff started (wall clock: comparable across processes)
     kv_sent_wall_s: float
-    # The worker's KV hash events since its previous result ((stored?, hash), oldest first): the router's
-    # prefix index of the prefill pool is fed from these (protocol/token_stream.py's KVEvent).
+    # The worker's KV hash events since its previous result ((stored?, hash), oldest first): the
+    # router's prefix index of the prefill pool is fed from these (protocol/token_stream.py's
+    # KVEvent).
     kv_events: tuple[tuple[bool, bytes], ...] = ()
     # Asked for by the request (engine.sampling_params.TokenLogprobs, plain tuples here): the first
     # token's, and the prompt's (one per prompt token, the first None).

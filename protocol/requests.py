@@ -1,14 +1,14 @@
 """The requests to the workers (Ray actor calls), one frozen dataclass per call; the replies are in
-`messages`. A worker method takes exactly one of these, so a call reads by field name, not by position.
-Sampling parameters and actor handles travel as they are (typed `Any` here: this package imports
-nothing of ours).
+`messages`. A worker method takes exactly one of these, so a call reads by field name, not by
+position. Sampling parameters and actor handles travel as they are (typed `Any` here: this package
+imports nothing of ours).
 
 Per request, disaggregated, from the router: `ReserveRequest` (decode) -> `PrefillRequest` (prefill;
-`RenewRequest` to the decode worker while it waits) and, if the request ends early, `AbortRequest` to
-either. The KV handoff then goes worker to worker, not through the router: `AdmitRequest` (prefill ->
-decode: the first token, and a routed transport's KV deliveries) -> `AcknowledgeRequest` (decode ->
-prefill, routed transports only: grpc acknowledges on its KV stream). Colocated, or prefilled on its
-decode worker: `AdmitColocatedRequest` (router -> decode).
+`RenewRequest` to the decode worker while it waits) and, if the request ends early, `AbortRequest`
+to either. The KV handoff then goes worker to worker, not through the router: `AdmitRequest`
+(prefill -> decode: the first token, and a routed transport's KV deliveries) -> `AcknowledgeRequest`
+(decode -> prefill, routed transports only: grpc acknowledges on its KV stream). Colocated, or
+prefilled on its decode worker: `AdmitColocatedRequest` (router -> decode).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 
 @dataclass(frozen=True)
 class ReserveRequest:
-    """Decode worker: set KV blocks aside for a prompt before its transfer starts. The reply is how many
-    leading blocks it reused from its prefix cache (not sent), or None when it has no room."""
+    """Decode worker: set KV blocks aside for a prompt before its transfer starts. The reply is how
+    many leading blocks it reused from its prefix cache (not sent), or None when it has no room."""
 
     request_id: str
     num_prompt_tokens: int
@@ -39,9 +39,9 @@ class RenewRequest:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """Prefill worker: run the prompt, answer with its first token (`messages.PrefillResult`) and hand
-    the request to the decode worker that reserved its KV: the KV to `destination` (grpc) or in the
-    `AdmitRequest` it sends `decode` itself (ray, rdt)."""
+    """Prefill worker: run the prompt, answer with its first token (`messages.PrefillResult`) and
+    hand the request to the decode worker that reserved its KV: the KV to `destination` (grpc) or in
+    the `AdmitRequest` it sends `decode` itself (ray, rdt)."""
 
     request_id: str
     prompt_ids: Sequence[int]
@@ -61,7 +61,8 @@ class AdmitRequest:
     prompt_ids: Sequence[int]
     first_token_id: int
     params: Any  # engine.sampling_params.SamplingParams
-    # a routed transport's KV messages (ray: header + ObjectRef), installed in the same call; () in-band
+    # a routed transport's KV messages (ray: header + ObjectRef), installed in the same call; ()
+    # in-band
     deliveries: tuple[Any, ...] = ()
     # the prefill worker's actor handle, told directly once `deliveries` are installed; None in-band
     acknowledge_to: Any = None
@@ -78,7 +79,8 @@ class AdmitColocatedRequest:
 
 @dataclass(frozen=True)
 class AcknowledgeRequest:
-    """Prefill worker, from the decode worker: it installed the request's KV; its blocks may be freed."""
+    """Prefill worker, from the decode worker: it installed the request's KV; its blocks may be
+    freed."""
 
     request_id: str
 

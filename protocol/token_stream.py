@@ -1,5 +1,5 @@
-"""A decode worker's token stream to the router: `TokenChunk`s, one message per engine step, over a gRPC
-server stream (msgpack, identity serializer)."""
+"""A decode worker's token stream to the router: `TokenChunk`s, one message per engine step, over a
+gRPC server stream (msgpack, identity serializer)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ WireLogprobs = tuple
 
 @dataclass(frozen=True)
 class TokenChunk:
-    """New tokens of one request from a decode (or colocated) worker; the last one has a finish reason."""
+    """New tokens of one request from a decode (or colocated) worker; the last one has a finish
+    reason."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -26,16 +27,18 @@ class TokenChunk:
     kv_ready_wall_s: Optional[float] = None
     num_cached_prompt_tokens: int = 0
     # Asked for by the request: one (token id, logprob, ((token id, logprob), ...) top) per token of
-    # `token_ids` (engine.sampling_params.TokenLogprobs, as plain tuples: this package imports no engine).
+    # `token_ids` (engine.sampling_params.TokenLogprobs, as plain tuples: this package imports no
+    # engine).
     logprobs: Optional[tuple[WireLogprobs, ...]] = None
     # Colocated, with the first token: one per prompt token, the first None.
     prompt_logprobs: Optional[tuple[Optional[WireLogprobs], ...]] = None
 
 
-# A decode worker's token stream to the router: the gRPC server-streaming method below, one message per
-# engine step: [every request's chunk (msgpack lists of TokenChunk's fields, in field order), the step's
-# KV hash events ([stored?, hash] pairs: engine/block_manager.py)], after a first message that says the
-# subscription is in place: [OUTPUT_STREAM_VERSION, worker id, the block hashes it holds at that moment].
+# A decode worker's token stream to the router: the gRPC server-streaming method below, one message
+# per engine step: [every request's chunk (msgpack lists of TokenChunk's fields, in field order),
+# the step's KV hash events ([stored?, hash] pairs: engine/block_manager.py)], after a first message
+# that says the subscription is in place: [OUTPUT_STREAM_VERSION, worker id, the block hashes it
+# holds at that moment].
 OUTPUT_STREAM_SERVICE = "pdserve.internal.v1.DecodeOutputs"
 OUTPUT_STREAM_METHOD = f"/{OUTPUT_STREAM_SERVICE}/Subscribe"
 OUTPUT_STREAM_VERSION = 3  # 3: chunks carry logprobs
