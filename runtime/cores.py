@@ -1,35 +1,38 @@
 """Lending idle cores between the workers of one node.
 
-Each worker computes on the threads Ray granted it (its *home* cores). When another worker on the same
-node has nothing to compute, its cores sit idle: in a 1 prefill + 1 decode system on two cores, the
-decode worker prefills a conversation's later turn on one core while the prefill worker's core waits
-for a prompt. `CoreShare` lets a worker borrow such cores for (at most) one engine step at a time, and guarantees
-that the threads of all workers never exceed the node's cores (two torch processes each spinning two
-threads on two cores slow decode 10-20x: docs/benchmarks-archive.md, 2026-12-02, SLO-aware core sharing).
+Each worker computes on the threads Ray granted it (its *home* cores). When another worker on the
+same node has nothing to compute, its cores sit idle: in a 1 prefill + 1 decode system on two cores,
+the decode worker prefills a conversation's later turn on one core while the prefill worker's core
+waits for a prompt. `CoreShare` lets a worker borrow such cores for (at most) one engine step at a
+time, and guarantees that the threads of all workers never exceed the node's cores (two torch
+processes each spinning two threads on two cores slow decode 10-20x: docs/benchmarks-archive.md,
+2026-12-02, SLO-aware core sharing).
 
 The agreement is kept in lock files, one per core, in a directory every worker of the node opens
 (`/dev/shm`, so nothing outlives a reboot; a process that dies drops its locks with it):
 
-- `homes.json` (edited under `registry.lock`) gives each worker process its home cores: the least used
-  ones when it starts. Workers granted a fraction of a CPU share a home core, as they share it anyway.
+- `homes.json` (edited under `registry.lock`) gives each worker process its home cores: the least
+  used ones when it starts. Workers granted a fraction of a CPU share a home core, as they share it
+  anyway.
 - While a worker has work (unfinished requests) it holds a shared lock on each home core, from the
   first step of a busy spell to the moment it goes idle.
-- A borrower takes an exclusive lock, without waiting, on another worker's home core that nobody holds,
-  for the length of one engine step, and runs that step on its home threads plus the borrowed ones.
-  Only cores granted to a worker are lent: the node's other cores are Ray's to give to other tasks. A
-  worker whose home core is shared never borrows: the workers sharing it may already run more threads
-  than cores.
+- A borrower takes an exclusive lock, without waiting, on another worker's home core that nobody
+  holds, for the length of one engine step, and runs that step on its home threads plus the borrowed
+  ones. Only cores granted to a worker are lent: the node's other cores are Ray's to give to other
+  tasks. A worker whose home core is shared never borrows: the workers sharing it may already run
+  more threads than cores.
 - An owner that becomes busy while its core is lent takes the core's `want` lock and polls for the
   core. The borrower checks `want` between the model's layers and hands the core back there, so the
   owner waits one layer (milliseconds); it checks `want` before borrowing again too. A borrower that
   stopped (SIGSTOP, a debugger) cannot hold an owner for longer than `owner_wait_s`: the owner then
   runs anyway, logs it, and keeps its `want` lock until it has the core back.
-- Cores are shared by the SLO, not only when idle. A prefill step that could not borrow a core because
-  its owner is busy *asks* for it (a shared lock on the core's `ask` file) and tries again between
-  layers. An owner that is only decoding, whose streams have TPOT slack (`decode_slack_s`: the time each
-  stream is ahead of `CorePolicy.tpot_budget_s` per token, less its next step), lends its home cores to the asker for at most that slack, and at most `max_pause_tpot` TPOT
-  budgets at a time, then takes them back as above. So a prompt prefills on both cores while decoding
-  streams stay within the SLO.
+- Cores are shared by the SLO, not only when idle. A prefill step that could not borrow a core
+  because its owner is busy *asks* for it (a shared lock on the core's `ask` file) and tries again
+  between layers. An owner that is only decoding, whose streams have TPOT slack (`decode_slack_s`:
+  the time each stream is ahead of `CorePolicy.tpot_budget_s` per token, less its next step), lends
+  its home cores to the asker for at most that slack, and at most `max_pause_tpot` TPOT budgets at a
+  time, then takes them back as above. So a prompt prefills on both cores while decoding streams
+  stay within the SLO.
 
 Lock calls are a few microseconds; a step is tens of milliseconds at least.
 """
@@ -60,22 +63,23 @@ SLACK_HORIZON_TOKENS = 64
 
 @dataclass(frozen=True)
 class CorePolicy:
-    """`lend`: which steps may borrow idle cores: `all` (the default: decode steps too, measured faster in
-    docs/benchmarks.md), `prefill` (only steps that compute prompt tokens), `off`. `directory`: where
-    the node's workers keep their locks (None: `/dev/shm/pdserve-cores-<uid>`)."""
+    """`lend`: which steps may borrow idle cores: `all` (the default: decode steps too, measured
+    faster in docs/benchmarks.md), `prefill` (only steps that compute prompt tokens), `off`.
+    `directory`: where the node's workers keep their locks (None:
+    `/dev/shm/pdserve-cores-<uid>`)."""
 
     lend: str = "all"
     directory: Optional[str] = None
     owner_wait_s: float = 5.0
     poll_s: float = 0.001
-    # The SLO's TPOT: a decoding worker lends its cores to a node's prefill while its streams stay within
-    # it (None: only idle cores are lent). One lending pause is at most `max_pause_tpot` of it (the
-    # longest gap between two tokens it adds).
+    # The SLO's TPOT: a decoding worker lends its cores to a node's prefill while its streams stay
+    # within it (None: only idle cores are lent). One lending pause is at most `max_pause_tpot` of
+    # it (the longest gap between two tokens it adds).
     tpot_budget_s: Optional[float] = None
     max_pause_tpot: float = 4.0
-    # A stream lends while it is expected to end within this share of the budget: the rest is the margin
-    # for pauses yet to come and for noise (at 0.9, TPOT p50 rose to 45 ms of 50 and a fifth of the
-    # requests missed it; docs/benchmarks.md)
+    # A stream lends while it is expected to end within this share of the budget: the rest is the
+    # margin for pauses yet to come and for noise (at 0.9, TPOT p50 rose to 45 ms of 50 and a fifth
+    # of the requests missed it; docs/benchmarks.md)
     tpot_share: float = 0.75
 
     def __post_init__(self) -> None:
@@ -104,13 +108,13 @@ class StreamProgress:
 def decode_slack_s(
     streams: list[StreamProgress], step_s: float, policy: CorePolicy
 ) -> Optional[float]:
-    """How long a decoding worker's next step may wait, for a prefill that asks for its cores, with every
-    stream expected to end within `tpot_share` of the TPOT budget: None when no budget is set. A stream
-    is expected to run to its max_tokens, at most `SLACK_HORIZON_TOKENS` more, at the mean decode step
-    `step_s`: so a young stream may lend the time it will save later, not only what it saved. A stream
-    that misses the budget itself even if never paused again does not hold the cores back (it misses
-    either way); when every stream does, None: the worker is overloaded and its cores decode. Shared with
-    the planner's simulator, so the two cannot drift."""
+    """How long a decoding worker's next step may wait, for a prefill that asks for its cores, with
+    every stream expected to end within `tpot_share` of the TPOT budget: None when no budget is set.
+    A stream is expected to run to its max_tokens, at most `SLACK_HORIZON_TOKENS` more, at the mean
+    decode step `step_s`: so a young stream may lend the time it will save later, not only what it
+    saved. A stream that misses the budget itself even if never paused again does not hold the cores
+    back (it misses either way); when every stream does, None: the worker is overloaded and its
+    cores decode. Shared with the planner's simulator, so the two cannot drift."""
     budget_s = policy.tpot_budget_s
     if budget_s is None:
         return None
@@ -136,8 +140,8 @@ class CoreShare:
         set_threads: Callable[[int], None],
         num_cores: Optional[int] = None,
     ):
-        """`set_threads`: torch.set_num_threads (this module stays torch-free: the router validates the
-        policy)."""
+        """`set_threads`: torch.set_num_threads (this module stays torch-free: the router validates
+        the policy)."""
         self.policy = policy
         self._set_threads = set_threads
         self.num_cores = num_cores or usable_cpus()
@@ -171,7 +175,8 @@ class CoreShare:
         return os.open(self.directory / name, os.O_RDWR | os.O_CREAT, 0o600)
 
     def _register(self) -> tuple[int, ...]:
-        """This worker's home cores: the least used among live workers' (a dead one's are free again)."""
+        """This worker's home cores: the least used among live workers' (a dead one's are free
+        again)."""
 
         def claim(homes: dict) -> tuple[int, ...]:
             use = [0] * self.num_cores
@@ -189,15 +194,16 @@ class CoreShare:
         return self._edit_registry(claim)
 
     def close(self) -> None:
-        """Gives the home cores back (a process that just dies gives them back too: its locks go with it,
-        and the next registration drops its entry)."""
+        """Gives the home cores back (a process that just dies gives them back too: its locks go
+        with it, and the next registration drops its entry)."""
         self._edit_registry(lambda homes: homes.pop(self._key, None))
         for fd in self._core_fds + self._want_fds + self._ask_fds:
             os.close(fd)
         self._core_fds = self._want_fds = self._ask_fds = []
 
     def _edit_registry(self, edit: Callable[[dict], Any]) -> Any:
-        """Runs `edit` on the live workers' entries under the registry's lock and writes them back."""
+        """Runs `edit` on the live workers' entries under the registry's lock and writes them
+        back."""
         lock = self._open("registry.lock")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -241,8 +247,8 @@ class CoreShare:
         self._holding_home = True
 
     def _take_home(self, cores) -> list[int]:
-        """Takes each home core it can; holds the `want` lock of the others (a borrower checks it before
-        taking one again), and returns those."""
+        """Takes each home core it can; holds the `want` lock of the others (a borrower checks it
+        before taking one again), and returns those."""
         missing = []
         for core in cores:
             if _try_lock(self._core_fds[core], fcntl.LOCK_SH):
@@ -266,10 +272,11 @@ class CoreShare:
 
     @contextlib.contextmanager
     def step(self, is_prefill: bool) -> Iterator[Optional[Callable[[], None]]]:
-        """Runs one engine step on the home threads plus any idle cores the policy lets it borrow. Yields
-        what the model should call between layers (None when there is nothing to do there): it hands a
-        borrowed core back at once when its owner wants it, so an owner waits one layer, not a whole step;
-        a prefill step also asks for the busy cores it could not borrow, and takes them when lent."""
+        """Runs one engine step on the home threads plus any idle cores the policy lets it borrow.
+        Yields what the model should call between layers (None when there is nothing to do there):
+        it hands a borrowed core back at once when its owner wants it, so an owner waits one layer,
+        not a whole step; a prefill step also asks for the busy cores it could not borrow, and takes
+        them when lent."""
         lends = self.policy.lend == "all" or (self.policy.lend == "prefill" and is_prefill)
         self._borrowed = self._borrow() if lends else []
         if is_prefill and self.policy.tpot_budget_s is not None and not self._home_shared:
@@ -300,7 +307,8 @@ class CoreShare:
             self._use_threads(self.home_threads + len(self._borrowed))
 
     def _ask(self, cores: list[int]) -> None:
-        """Holds the `ask` lock of exactly `cores`: their busy owners may lend them (`lend_within`)."""
+        """Holds the `ask` lock of exactly `cores`: their busy owners may lend them
+        (`lend_within`)."""
         for core in set(self._asks) - set(cores):
             fcntl.flock(self._ask_fds[core], fcntl.LOCK_UN)
         for core in set(cores) - set(self._asks):
@@ -308,10 +316,10 @@ class CoreShare:
         self._asks = list(cores)
 
     def lend_within(self, slack_s: float, meanwhile: Callable[[], None] = lambda: None) -> float:
-        """Between two decode steps of a busy worker: if a prefill on the node asks for its home cores,
-        lends them for at most `slack_s` (what its streams can wait without missing the TPOT budget) and
-        at most `max_pause_tpot` budgets, or until nobody asks; then takes them back. `meanwhile` runs
-        every poll (the worker's calls and transport polls). Returns the pause."""
+        """Between two decode steps of a busy worker: if a prefill on the node asks for its home
+        cores, lends them for at most `slack_s` (what its streams can wait without missing the TPOT
+        budget) and at most `max_pause_tpot` budgets, or until nobody asks; then takes them back.
+        `meanwhile` runs every poll (the worker's calls and transport polls). Returns the pause."""
         budget_s = self.policy.tpot_budget_s
         if budget_s is None or not self._holding_home or self._missing or self._home_shared:
             return 0.0
@@ -356,8 +364,8 @@ class CoreShare:
         self._set_threads(count)
 
     def _lendable(self) -> frozenset[int]:
-        """The other live workers' home cores (re-read when the registry changed, and every second: a
-        worker that died leaves its entry until the next registration)."""
+        """The other live workers' home cores (re-read when the registry changed, and every second:
+        a worker that died leaves its entry until the next registration)."""
         registry_path = self.directory / "homes.json"
         try:
             stamp = registry_path.stat().st_mtime_ns
@@ -385,8 +393,8 @@ class CoreShare:
     def _borrow(self) -> list[int]:
         lendable = self._lendable()
         if self._home_shared:
-            # Its home core is another worker's too, and that one may be computing on it: threads beyond
-            # the cores already. Borrowing would add one more.
+            # Its home core is another worker's too, and that one may be computing on it: threads
+            # beyond the cores already. Borrowing would add one more.
             return []
         return [core for core in sorted(lendable) if self._try_borrow(core)]
 
@@ -411,8 +419,8 @@ def _live(homes: dict[str, list[int]]) -> dict[str, list[int]]:
 
 
 def _alive(pid: int) -> bool:
-    """Whether `pid` may still compute: a zombie (exited, not yet reaped by its parent) holds no locks
-    and runs no threads, though signalling it succeeds."""
+    """Whether `pid` may still compute: a zombie (exited, not yet reaped by its parent) holds no
+    locks and runs no threads, though signalling it succeeds."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,11 +1,11 @@
-"""The one count of CPUs this process may compute on. Every CPU-sized choice takes it from here: the CPUs
-a local Ray node declares, the default CPU share of its workers, a worker's torch threads and the cores
-workers lend each other (runtime/cores.py).
+"""The one count of CPUs this process may compute on. Every CPU-sized choice takes it from here: the
+CPUs a local Ray node declares, the default CPU share of its workers, a worker's torch threads and
+the cores workers lend each other (runtime/cores.py).
 
-`os.cpu_count()` is the host's count: in a container limited to 2 CPUs on a 64-core host it says 64, and
-torch threads sized to it spin 16 to a core (two torch processes each spinning two threads on two cores
-slow decode 10-20x: docs/benchmarks-archive.md, 2026-12-02, SLO-aware core sharing). Torch-free: the
-router's process reads it too.
+`os.cpu_count()` is the host's count: in a container limited to 2 CPUs on a 64-core host it says 64,
+and torch threads sized to it spin 16 to a core (two torch processes each spinning two threads on
+two cores slow decode 10-20x: docs/benchmarks-archive.md, 2026-12-02, SLO-aware core sharing).
+Torch-free: the router's process reads it too.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ SELF_CGROUP = Path("/proc/self/cgroup")
 
 
 def usable_cpus(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:
-    """The CPUs this process may use: those of its affinity mask (cpuset, `taskset`), lowered to its CPU
-    quota where one is set (the smallest of its cgroup's and its ancestors', cgroup v2 `cpu.max` or v1
-    `cpu.cfs_quota_us` / `cpu.cfs_period_us`), rounded down, and at least 1. Rounded down because a
-    thread beyond the quota does not add compute, it makes every thread wait for the next period."""
+    """The CPUs this process may use: those of its affinity mask (cpuset, `taskset`), lowered to its
+    CPU quota where one is set (the smallest of its cgroup's and its ancestors', cgroup v2 `cpu.max`
+    or v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), rounded down, and at least 1. Rounded down
+    because a thread beyond the quota does not add compute, it makes every thread wait for the next
+    period."""
     cpus = _affinity_cpus()
     quota_cpus = cgroup_cpu_quota(cgroup_root, self_cgroup)
     if quota_cpus is not None:
@@ -41,8 +42,8 @@ def _affinity_cpus() -> int:
 def cgroup_cpu_quota(
     cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP
 ) -> Optional[float]:
-    """The CPU quota of this process's cgroup, in CPUs: the smallest set on its cgroup or an ancestor;
-    None when none is set (v2 "max", v1 -1) or no cgroup file is readable."""
+    """The CPU quota of this process's cgroup, in CPUs: the smallest set on its cgroup or an
+    ancestor; None when none is set (v2 "max", v1 -1) or no cgroup file is readable."""
     quotas = [
         quota
         for path in _quota_files(cgroup_root, self_cgroup)
@@ -52,9 +53,10 @@ def cgroup_cpu_quota(
 
 
 def _quota_files(cgroup_root: Path, self_cgroup: Path) -> Iterator[Path]:
-    """Each quota file on the way from this process's cgroup up to the mount's root. In a container with
-    its own cgroup namespace the process's cgroup is the mount's root; without one, the process's path
-    may not exist under the mount (the container's cgroup is mounted as the root), and the root serves."""
+    """Each quota file on the way from this process's cgroup up to the mount's root. In a container
+    with its own cgroup namespace the process's cgroup is the mount's root; without one, the
+    process's path may not exist under the mount (the container's cgroup is mounted as the root),
+    and the root serves."""
     for mount, path in _own_cgroups(cgroup_root, self_cgroup):
         directory = mount / path.lstrip("/")
         while True:
@@ -65,7 +67,8 @@ def _quota_files(cgroup_root: Path, self_cgroup: Path) -> Iterator[Path]:
 
 
 def _own_cgroups(cgroup_root: Path, self_cgroup: Path) -> list[tuple[Path, str]]:
-    """(mount, path of this process's cgroup under it) for the v2 hierarchy and the v1 `cpu` controller."""
+    """(mount, path of this process's cgroup under it) for the v2 hierarchy and the v1 `cpu`
+    controller."""
     try:
         lines = self_cgroup.read_text().splitlines()
     except OSError:

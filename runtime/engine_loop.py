@@ -2,9 +2,10 @@
 
 The engine, its allocator and anything else registered as a hook are touched only from the loop's
 thread. Callers submit work with `call(fn)` (fn runs on the loop thread, the awaitable gets its
-result) and receive outputs either per request, on an asyncio queue opened with `listen(request_id)`,
-or all together on one channel opened with `open_channel()`: then each turn of the loop delivers one
-list of `(request_id, item)` pairs, so a consumer pays one hand-off per step, not one per request.
+result) and receive outputs either per request, on an asyncio queue opened with
+`listen(request_id)`, or all together on one channel opened with `open_channel()`: then each turn of
+the loop delivers one list of `(request_id, item)` pairs, so a consumer pays one hand-off per step,
+not one per request.
 
 Each turn of the loop: run submitted calls -> run hooks (transport polls) -> one engine step ->
 hand each output to `on_output` (still on the loop thread), then to the request's listener.
@@ -39,9 +40,9 @@ class EngineLoop:
         cores: Optional[CoreShare] = None,
     ):
         """`hooks` run on the loop thread before each step (transport polls); `on_output` turns each
-        output into what is published; while `expecting_events()` (a transfer under way) the loop polls
-        its hooks every `busy_wait_s` instead of sleeping. `cores`: this worker's share of the node's
-        cores (its home cores held while it has work, idle ones borrowed per step)."""
+        output into what is published; while `expecting_events()` (a transfer under way) the loop
+        polls its hooks every `busy_wait_s` instead of sleeping. `cores`: this worker's share of the
+        node's cores (its home cores held while it has work, idle ones borrowed per step)."""
         self.engine = engine
         self.cores = cores
         self._hooks = hooks
@@ -67,9 +68,10 @@ class EngineLoop:
     # -- asyncio side --------------------------------------------------------------------------
 
     def call(self, fn: Callable[[], Any], mid_step: bool = False) -> asyncio.Future:
-        """Runs `fn` on the loop thread between two engine steps; with `mid_step`, also at a layer boundary
-        of a step under way (for calls that only set free blocks aside, such as a KV reservation: a decode
-        step is tens of milliseconds, and a prompt's TTFT waits for its reservation)."""
+        """Runs `fn` on the loop thread between two engine steps; with `mid_step`, also at a layer
+        boundary of a step under way (for calls that only set free blocks aside, such as a KV
+        reservation: a decode step is tens of milliseconds, and a prompt's TTFT waits for its
+        reservation)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         (self._mid_step_calls if mid_step else self._calls).put((fn, loop, future))
@@ -93,7 +95,8 @@ class EngineLoop:
         return channel
 
     def close_channel(self, channel: asyncio.Queue) -> None:
-        """Its subscriber went away: items stop piling up in it (unless another channel replaced it)."""
+        """Its subscriber went away: items stop piling up in it (unless another channel replaced
+        it)."""
         current = self._channel
         if current is not None and current[1] is channel:
             self._channel = None
@@ -124,7 +127,8 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 if self.cores is not None:
                     self.cores.busy()
-                    # The streams' slack is worked out only when a prefill asks for the cores (a few flock calls)
+                    # The streams' slack is worked out only when a prefill asks for the cores (a few
+                    # flock calls)
                     slack_s = self._decode_slack_s() if self.cores.asked() else None
                     if slack_s is not None:  # while lent, calls and transport polls still run
                         self.cores.lend_within(slack_s, self._between_steps)
@@ -137,10 +141,10 @@ class EngineLoop:
                 self._wake.clear()
 
     def _decode_slack_s(self) -> Optional[float]:
-        """How long the next decode step may wait with every running stream that can still meet its share
-        of the TPOT budget expected to (`runtime.cores.decode_slack_s`): None when the worker has prompt
-        work of its own, no budget is set, or no stream can. A stream's clock starts when it started
-        decoding here."""
+        """How long the next decode step may wait with every running stream that can still meet its
+        share of the TPOT budget expected to (`runtime.cores.decode_slack_s`): None when the worker
+        has prompt work of its own, no budget is set, or no stream can. A stream's clock starts when
+        it started decoding here."""
         scheduler = self.engine.scheduler
         if scheduler.waiting or not scheduler.running or not self.decode_steps:
             return None
@@ -173,8 +177,8 @@ class EngineLoop:
 
     @contextlib.contextmanager
     def _compute(self, batch) -> Iterator[Callable[[], None]]:
-        """Wraps a step's forward pass: its cores (borrowed, asked for) and, between layers, the calls
-        that may run mid-step."""
+        """Wraps a step's forward pass: its cores (borrowed, asked for) and, between layers, the
+        calls that may run mid-step."""
         with (
             self.cores.step(batch.is_prefill)
             if self.cores is not None

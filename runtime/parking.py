@@ -13,14 +13,14 @@ PARK_PHASES = ("queued", "prefill", "transfer")
 
 
 class Parking:
-    """Fault points for tests: a test arms phases (`arm`); the next request to reach an armed phase on
-    this worker is held there (the thread or coroutine that carries it blocks) until `release`, so the
-    test can kill the worker that holds that request in a known phase instead of guessing with sleeps.
-    Phases: "queued" (a prefill call not yet in the engine; colocated: not yet admitted), "prefill" (the
-    prompt computed, its first token not yet out: the engine thread waits), "transfer" (a KV layer
-    group's header received by the decode worker, its payload not yet read; or, on a prefill worker with
-    the grpc transport, sent and its payload not yet). Unarmed, each point is
-    one set lookup."""
+    """Fault points for tests: a test arms phases (`arm`); the next request to reach an armed phase
+    on this worker is held there (the thread or coroutine that carries it blocks) until `release`,
+    so the test can kill the worker that holds that request in a known phase instead of guessing
+    with sleeps. Phases: "queued" (a prefill call not yet in the engine; colocated: not yet
+    admitted), "prefill" (the prompt computed, its first token not yet out: the engine thread
+    waits), "transfer" (a KV layer group's header received by the decode worker, its payload not yet
+    read; or, on a prefill worker with the grpc transport, sent and its payload not yet). Unarmed,
+    each point is one set lookup."""
 
     def __init__(self) -> None:
         self._armed: set[str] = set()
@@ -57,7 +57,8 @@ class Parking:
 
 
 class ParkingEndpoints:
-    """The actor methods tests drive a worker's `Parking` with (the worker holds it as `self.parking`)."""
+    """The actor methods tests drive a worker's `Parking` with (the worker holds it as
+    `self.parking`)."""
 
     parking: Parking
 

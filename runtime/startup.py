@@ -39,19 +39,20 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     # CPUs it was granted.
     threads = granted_cpus()
     torch.set_num_threads(threads)
-    # "auto" resolves here, on the worker's node: cuda where Ray gave this actor a GPU (it asked for one).
+    # "auto" resolves here, on the worker's node: cuda where Ray gave this actor a GPU (it asked for
+    # one).
     config = dataclasses.replace(
         config, device=resolve_device(config.device), num_threads=threads, detokenize=False
     )
     engine = LLMEngine(config)  # the router detokenizes
-    # torch, Ray and the model (330k objects) are here for the process's life: frozen, they are out of
-    # the collector's full passes, each otherwise a 160 ms pause in the middle of a decode step.
+    # torch, Ray and the model (330k objects) are here for the process's life: frozen, they are out
+    # of the collector's full passes, each otherwise a 160 ms pause in the middle of a decode step.
     gc.collect()
     gc.freeze()
     kernel = engine.loaded.model.layers[0].self_attn.decode_kernel
     log.info(
-        "engine ready: model %s on %s, %s (asked: %s; CPU: %s), %d threads, %d KV blocks (%d tokens), decode "
-        "attention: %s",
+        "engine ready: model %s on %s, %s (asked: %s; CPU: %s), %d threads, %d KV blocks (%d "
+        "tokens), decode attention: %s",
         config.model,
         config.device,
         engine.layout.dtype,
@@ -66,8 +67,8 @@ def start_engine(config: EngineConfig) -> LLMEngine:
 
 
 def share_cores(engine: LLMEngine, policy: CorePolicy) -> Optional[CoreShare]:
-    """This worker's part in lending idle cores between the node's workers (runtime/cores.py); None on a
-    GPU or with lending off."""
+    """This worker's part in lending idle cores between the node's workers (runtime/cores.py); None
+    on a GPU or with lending off."""
     if policy.lend == "off" or torch.device(engine.config.device).type != "cpu":
         return None
     try:

@@ -1,6 +1,7 @@
 """GPU telemetry through NVML (pynvml, from the nvidia-ml-py package): memory and utilisation of the
 GPUs this process may use. On a machine without a GPU or driver it reports none, with the reason,
-and never raises. No torch: the router may import it. And the load report both workers answer with."""
+and never raises. No torch: the router may import it. And the load report both workers answer
+with."""
 
 from __future__ import annotations
 
