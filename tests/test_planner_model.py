@@ -207,3 +207,20 @@ def test_borrowing_cost_is_fitted_on_the_load_with_lending_on():
     assert simulate(profile.with_serving(serving), probed, SLO_LOOSE, closed_loop(5, 1)).ttft_ms[
         "p50"
     ] == pytest.approx(lone["p50_ttft_ms"])
+
+
+def test_a_chunk_after_cached_context_is_read_from_its_own_points():
+    """Measured prompt-after-context steps replace the estimate from fresh prompts (which leaves out
+    attention over the context): bilinear in context and new tokens; without them, the estimate."""
+    from pdserve.planner.profile import ContextPrefillPoint
+
+    base = synthetic_profile()
+    assert base.chunk_s(256, 384) == pytest.approx(0.128)  # the estimate: 128 tokens at 1 ms
+    points = tuple(
+        ContextPrefillPoint(c, n, 1, 0.002 * n + 0.0001 * c) for c in (256, 1024) for n in (64, 256)
+    )
+    measured = Profile.from_json({**base.to_json(), "context_prefill": [vars(p) for p in points]})
+    assert measured.chunk_s(256, 384) == pytest.approx(0.002 * 128 + 0.0001 * 256)
+    assert measured.chunk_s(640, 800) == pytest.approx(0.002 * 160 + 0.0001 * 640)
+    assert measured.chunk_s(0, 512) == base.chunk_s(0, 512)  # nothing cached: a fresh prompt
+    assert Profile.from_json(measured.to_json()) == measured

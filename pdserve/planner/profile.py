@@ -24,6 +24,14 @@ class PrefillPoint:
 
 
 @dataclass(frozen=True)
+class ContextPrefillPoint:
+    context_tokens: int  # already in the KV (a cached prefix, or the chunks before)
+    new_tokens: int
+    threads: int
+    seconds: float  # one engine step prefilling the new tokens after the context
+
+
+@dataclass(frozen=True)
 class DecodePoint:
     batch_size: int
     context_tokens: int  # of each sequence in the batch
@@ -75,6 +83,8 @@ class Profile:
     serving: Optional[ServingCosts] = None
     # KV tokens one decode worker holds (`pdserve serve`'s default cache); None: unlimited
     kv_capacity_tokens: Optional[int] = None
+    # prompt tokens prefilled after a context in the KV; none measured: chunk_s estimates them
+    context_prefill: tuple[ContextPrefillPoint, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -102,13 +112,22 @@ class Profile:
         return max(0.0, _interpolate([(p.prompt_tokens, p.seconds) for p in points], prompt_tokens))
 
     def chunk_s(self, start_tokens: int, end_tokens: int, threads: int = 1) -> float:
-        """Prompt tokens start..end of one sequence, the first `start_tokens` already in its KV: the
-        difference of the cumulative cost (so attention over the context before it counts), plus the
-        fixed cost of a step (the intercept of the two shortest measured prompts)."""
+        """Prompt tokens start..end of one sequence, the first `start_tokens` already in its KV: as
+        measured (`context_prefill`, bilinear in context and new tokens), else the difference of the
+        cumulative cost (so attention over the context before it counts) plus the fixed cost of a
+        step (the intercept of the two shortest measured prompts)."""
         if end_tokens <= start_tokens:
             return 0.0
         if start_tokens <= 0:
             return self.prefill_s(end_tokens, threads)
+        if self.context_prefill:
+            chosen = _nearest(threads, {p.threads for p in self.context_prefill})
+            points = [p for p in self.context_prefill if p.threads == chosen]
+            per_context = []
+            for context in sorted({p.context_tokens for p in points}):
+                row = [(p.new_tokens, p.seconds) for p in points if p.context_tokens == context]
+                per_context.append((context, _interpolate(row, end_tokens - start_tokens)))
+            return max(1e-4, _interpolate(per_context, start_tokens))
         return (
             self.prefill_s(end_tokens, threads)
             - self.prefill_s(start_tokens, threads)
@@ -171,6 +190,9 @@ class Profile:
             notes=tuple(data.get("notes", ())),
             serving=ServingCosts(**data["serving"]) if data.get("serving") else None,
             kv_capacity_tokens=data.get("kv_capacity_tokens"),
+            context_prefill=tuple(
+                ContextPrefillPoint(**p) for p in data.get("context_prefill", ())
+            ),
         )
 
     def save(self, path: str | Path) -> None:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from pdserve.planner.profile import DecodePoint, PrefillPoint, Profile
+from pdserve.planner.profile import ContextPrefillPoint, DecodePoint, PrefillPoint, Profile
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class ProfileGrid:
     threads: tuple[int, ...] = (1, 2)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     context_tokens: tuple[int, ...] = (256, 1024, 2048)
+    # prompt tokens after a cached context (a conversation's later turn, a chunk after chunks)
+    context_tokens_prefill: tuple[int, ...] = (256, 512, 1024)
+    new_tokens_prefill: tuple[int, ...] = (64, 128, 256)
     handoff_prompt_tokens: tuple[int, ...] = (256, 1024, 4096)
     transports: tuple[str, ...] = ("ray",)
     repeats: int = 3
@@ -39,6 +42,8 @@ class ProfileGrid:
             threads=(1,),
             batch_sizes=(1, 4),
             context_tokens=(128, 512),
+            context_tokens_prefill=(128,),
+            new_tokens_prefill=(64,),
             handoff_prompt_tokens=(256, 1024),
             transports=("inproc",),
             repeats=1,
@@ -77,6 +82,22 @@ def measure(
             seconds = _median_of(grid.repeats, lambda: _prefill_once(engine, random_prompt(tokens)))
             prefill.append(PrefillPoint(tokens, threads, seconds))
             log(f"prefill {tokens:5d} tokens, {threads} thread(s): {seconds * 1e3:8.1f} ms")
+    context_prefill = []
+    for threads in grid.threads:
+        torch.set_num_threads(threads)
+        for context in grid.context_tokens_prefill:
+            for new in grid.new_tokens_prefill:
+                seconds = _median_of(
+                    grid.repeats,
+                    lambda: _prefill_after_context_once(
+                        engine, random_prompt(context), random_prompt(new)
+                    ),
+                )
+                context_prefill.append(ContextPrefillPoint(context, new, threads, seconds))
+                log(
+                    f"prefill {new:4d} tokens after {context:5d} cached, {threads} thread(s): "
+                    f"{seconds * 1e3:8.1f} ms"
+                )
     decode = []
     for threads in grid.threads:
         torch.set_num_threads(threads)
@@ -125,6 +146,7 @@ def measure(
         prefill=tuple(prefill),
         decode=tuple(decode),
         handoff=tuple(handoff),
+        context_prefill=tuple(context_prefill),
         notes=(
             "router_cpu_s_per_token: chunk unpacking and incremental detokenization only; the "
             "gRPC send to the client (~0.05 ms per message, benchmarks/grpc_stream_floor.py) is "
@@ -173,6 +195,28 @@ def _prefill_once(engine, prompt: list[int]) -> float:
     seconds = time.perf_counter() - began
     if not (outputs and outputs[0].finished):
         raise RuntimeError(f"a {len(prompt)}-token prompt did not prefill in one engine step")
+    return seconds
+
+
+def _prefill_after_context_once(engine, context: list[int], new: list[int]) -> float:
+    """The step prefilling `new` after `context`, which an earlier request left in the prefix cache."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    engine.add_request(f"c{time.monotonic_ns()}", context, params)
+    list(engine.run_until_done())
+    engine.add_request(f"t{time.monotonic_ns()}", context + new, params)
+    began = time.perf_counter()
+    outputs = engine.step()
+    seconds = time.perf_counter() - began
+    block = engine.config.block_size_tokens
+    if not (outputs and outputs[0].finished):
+        raise RuntimeError("a prompt after a cached context did not prefill in one engine step")
+    if outputs[0].num_cached_prompt_tokens < len(context) - block:
+        raise RuntimeError(
+            f"the context was not found in the prefix cache ({outputs[0].num_cached_prompt_tokens} "
+            f"of {len(context)} tokens)"
+        )
     return seconds
 
 
