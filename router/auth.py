@@ -1,10 +1,10 @@
 """Who may call what: API keys for the data plane, a separate admin token for admin calls.
 
-Both frontends pass the client's `Authorization` value (HTTP header, or gRPC `authorization` metadata)
-to `Credentials.check`. With nothing configured every call is allowed, which `check_bind` permits only
-on a loopback address (or when told `--insecure`). With API keys but no admin token, admin calls are
-refused: holding a data-plane key never grants admin rights. The admin token also works on the data
-plane. Keys are compared in constant time.
+Both frontends pass the client's `Authorization` value (HTTP header, or gRPC `authorization`
+metadata) to `Credentials.check`. With nothing configured every call is allowed, which `check_bind`
+permits only on a loopback address (or when told `--insecure`). With API keys but no admin token,
+admin calls are refused: holding a data-plane key never grants admin rights. The admin token also
+works on the data plane. Keys are compared in constant time.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, credentials: Credentials, insecure: bool) -> None:
-    """Refuses (ValueError) to serve beyond loopback with no API key and admin token, unless told to."""
+    """Refuses (ValueError) to serve beyond loopback with no API key and admin token, unless told
+    to."""
     if is_loopback(host) or insecure:
         return
     missing = [
@@ -104,6 +105,7 @@ def check_bind(host: str, credentials: Credentials, insecure: bool) -> None:
     ]
     if missing:
         raise ValueError(
-            f"refusing to serve on {host} without {' and '.join(missing)}: set --api-key/{API_KEY_ENV} "
+            f"refusing to serve on {host} without {' and '.join(missing)}: set "
+            f"--api-key/{API_KEY_ENV} "
             f"and --admin-token/{ADMIN_TOKEN_ENV}, or pass --insecure to serve unauthenticated"
         )

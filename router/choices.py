@@ -1,10 +1,10 @@
-"""`n > 1` and `best_of` (the OpenAI API's several choices of one prompt): each choice is a request of
-its own through the router, so migration, abort, structured outputs and logprobs work per choice as
-they do for one request, and the engine knows nothing of choices.
+"""`n > 1` and `best_of` (the OpenAI API's several choices of one prompt): each choice is a request
+of its own through the router, so migration, abort, structured outputs and logprobs work per choice
+as they do for one request, and the engine knows nothing of choices.
 
 The choices share the prompt's KV through the prefix caches that exist already. Choice 0 runs first;
-once its first decoded chunk is back (its prompt's full blocks are then in its prefill worker's cache
-and installed on its decode worker), choices 1.. start together, pinned to choice 0's workers
+once its first decoded chunk is back (its prompt's full blocks are then in its prefill worker's
+cache and installed on its decode worker), choices 1.. start together, pinned to choice 0's workers
 (`Router.generate`'s `pinned_to`): the prefill worker computes only the prompt's last partial block
 again, and the decode worker's reservation reuses the full blocks choice 0 holds (`reused_blocks`,
 not shipped), so they are held once.
@@ -41,7 +41,8 @@ class Choices(NamedTuple):
 def choice_request(
     request: ValidatedRequest, index: int, sample_logprobs: bool
 ) -> ValidatedRequest:
-    """Choice `index` of `request`: its own id and derived seed; its tokens' logprobs if `sample_logprobs`."""
+    """Choice `index` of `request`: its own id and derived seed; its tokens' logprobs if
+    `sample_logprobs`."""
     params = request.params
     changes: dict = {}
     if index and params.seed is not None:
@@ -57,9 +58,9 @@ def choice_request(
 async def generate_choices(
     router: Router, request: ValidatedRequest, choices: Choices
 ) -> AsyncIterator[tuple[int, StreamItem]]:
-    """Streams `(choice index, item)` of all `choices.best_of` choices, interleaved as they come; it ends
-    after each choice's final item. A choice's failure raises here; closing the iterator (a client that
-    went away) closes every choice's stream, which aborts it on its workers."""
+    """Streams `(choice index, item)` of all `choices.best_of` choices, interleaved as they come; it
+    ends after each choice's final item. A choice's failure raises here; closing the iterator (a
+    client that went away) closes every choice's stream, which aborts it on its workers."""
     requests = [
         choice_request(request, index, choices.best_of > choices.n)
         for index in range(choices.best_of)

@@ -1,9 +1,10 @@
-"""A request attempt's chunks as its decode worker sent them, read from its inbox (router/token_stream.py).
-With `coalesce`, chunks that queued up while this stream was behind (a busy router) leave as one, so a
-backlog costs one message, not one per step, and a chunk waits until it holds `stream_interval` tokens
-(or ends the request). Requests with stop strings are not coalesced: the router may end them on a
-token in the middle of a chunk. A chunk with an error fails the attempt: `WorkerLost` (it migrates)
-when the KV handoff failed because its prefill worker died, else `WorkerError`."""
+"""A request attempt's chunks as its decode worker sent them, read from its inbox
+(router/token_stream.py). With `coalesce`, chunks that queued up while this stream was behind (a
+busy router) leave as one, so a backlog costs one message, not one per step, and a chunk waits until
+it holds `stream_interval` tokens (or ends the request). Requests with stop strings are not
+coalesced: the router may end them on a token in the middle of a chunk. A chunk with an error fails
+the attempt: `WorkerLost` (it migrates) when the KV handoff failed because its prefill worker died,
+else `WorkerError`."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ async def read_chunks(
     route: Route, client: WorkerClient, stream_interval: int = 1, coalesce: bool = True
 ) -> AsyncIterator[TokenChunk]:
     stream = route.inbox
-    # The first chunk is never held back: it is the first token (colocated), or the one that tells the
-    # router the KV arrived (disaggregated), which frees the prefill worker's blocks.
+    # The first chunk is never held back: it is the first token (colocated), or the one that tells
+    # the router the KV arrived (disaggregated), which frees the prefill worker's blocks.
     wanted = 1
     pending = None
     while True:

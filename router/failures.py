@@ -31,7 +31,8 @@ class RequestAborted(Exception):
 
 
 class WorkerLost(Exception):
-    """A worker holding the request died. The request is migrated: re-run as prompt + tokens so far."""
+    """A worker holding the request died. The request is migrated: re-run as prompt + tokens so
+    far."""
 
     def __init__(self, worker: WorkerHandle, reason: str):
         super().__init__(f"worker {worker.worker_id} died: {reason}")
@@ -47,7 +48,8 @@ def is_actor_death(error: BaseException) -> bool:
 
 def describe_failure(error: BaseException, request_id: str) -> tuple[str, str]:
     """What a frontend tells a client whose request failed with `error`: a kind ("unavailable",
-    "overloaded", "conflict", "deadline" or "internal"), which each frontend maps to its status, and a message."""
+    "overloaded", "conflict", "deadline" or "internal"), which each frontend maps to its status, and
+    a message."""
     if isinstance(error, (AdmissionTimeoutError, OverloadedError)):
         return "overloaded", str(error)
     if isinstance(error, NoWorkerError):

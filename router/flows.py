@@ -1,16 +1,17 @@
 """The two ways an attempt of a request runs, each an async iterator of stream items:
 
-- `disaggregated`: reserve KV blocks on a decode worker (router/reservation.py) -> prefill on a prefill
-  worker, whose first token streams at once (the decode reservation renewed while the prompt waits)
-  -> the decode worker's tokens. The handoff between them is theirs: the prefill worker admits the
-  request on the decode worker itself (first token, and a routed transport's KV deliveries), and the
-  decode worker acknowledges the KV to it; the first decoded chunk tells the router the KV is
-  installed (the prefill worker holds nothing of it any more, or soon: the lease settles a lost ack).
+- `disaggregated`: reserve KV blocks on a decode worker (router/reservation.py) -> prefill on a
+  prefill worker, whose first token streams at once (the decode reservation renewed while the prompt
+  waits) -> the decode worker's tokens. The handoff between them is theirs: the prefill worker
+  admits the request on the decode worker itself (first token, and a routed transport's KV
+  deliveries), and the decode worker acknowledges the KV to it; the first decoded chunk tells the
+  router the KV is installed (the prefill worker holds nothing of it any more, or soon: the lease
+  settles a lost ack).
 - `local`: the whole request on one worker: a colocated worker, or a disaggregated system's decode
   worker prefilling it itself (router/pd_policy.py).
 
-Worker calls go through `WorkerClient` (typed, transport hidden); the attempt's workers are tracked in
-its `Route` (router/registry.py), which the router settles when the attempt ends.
+Worker calls go through `WorkerClient` (typed, transport hidden); the attempt's workers are tracked
+in its `Route` (router/registry.py), which the router settles when the attempt ends.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ class Flows:
             route = self._registry.track(record, wid, prefill, decode)
             # The reservation's clock is renewed while the prompt waits in the prefill queue: a long
             # queue must never expire it (its timeout is for KV that stopped coming, not for KV not
-            # yet computed). The prefill worker skips the blocks the decode worker reused, and hands the
-            # request to the decode worker itself.
+            # yet computed). The prefill worker skips the blocks the decode worker reused, and hands
+            # the request to the decode worker itself.
             renewal = RenewRequest(wid, self._kv_timeout_s)
             with route.prefill_count:
                 result = await client.prefill(

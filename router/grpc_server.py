@@ -1,4 +1,5 @@
-"""The public gRPC server (asyncio): `pdserve.v1.Generation`, the standard health service and reflection."""
+"""The public gRPC server (asyncio): `pdserve.v1.Generation`, the standard health service and
+reflection."""
 
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 class _Undecodable:
-    """A request whose bytes are not its message type: refused in the handler with INVALID_ARGUMENT (a
-    deserializer that raises makes gRPC answer UNKNOWN)."""
+    """A request whose bytes are not its message type: refused in the handler with INVALID_ARGUMENT
+    (a deserializer that raises makes gRPC answer UNKNOWN)."""
 
     def __init__(self, message: str):
         self.message = message
@@ -208,11 +209,11 @@ def _token_logprob(value: Optional[TokenLogprobs], token_id: int = 0) -> "pb.Tok
 async def start_grpc_server(
     servicer: GenerationServicer, host: str, port: int, tls: Optional[tuple[str, str]] = None
 ) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
-    """Starts serving (TLS when `tls` is (certificate file, key file), both PEM); returns the server, the
-    bound port (port 0 picks one) and the health servicer, which reports NOT_SERVING until the caller
-    marks the system ready."""
-    # so_reuseport off: with it (gRPC's default on Linux) a second server binds a running one's port and
-    # the two split its clients silently.
+    """Starts serving (TLS when `tls` is (certificate file, key file), both PEM); returns the
+    server, the bound port (port 0 picks one) and the health servicer, which reports NOT_SERVING
+    until the caller marks the system ready."""
+    # so_reuseport off: with it (gRPC's default on Linux) a second server binds a running one's port
+    # and the two split its clients silently.
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server (aiohttp), next to the gRPC server on the router's event loop.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream: true`), `GET /v1/models`,
-`GET /health`, `GET /metrics` (Prometheus text), `POST /admin/scale` (admin token). Every error is a
-JSON body in OpenAI's shape with the right status: 400 bad input, 401/403 keys, 404 unknown model or
-route, 413 too large, 415 not JSON, 429 overloaded (with Retry-After), 503 no worker, 504 deadline.
-A client that disconnects cancels its handler, which aborts the request on its workers.
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream: true`), `GET
+/v1/models`, `GET /health`, `GET /metrics` (Prometheus text), `POST /admin/scale` (admin token).
+Every error is a JSON body in OpenAI's shape with the right status: 400 bad input, 401/403 keys, 404
+unknown model or route, 413 too large, 415 not JSON, 429 overloaded (with Retry-After), 503 no
+worker, 504 deadline. A client that disconnects cancels its handler, which aborts the request on its
+workers.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class HttpFrontend:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every failure becomes an OpenAI-shaped JSON error (aiohttp's own 404/405/413 included)."""
+        """Every failure becomes an OpenAI-shaped JSON error (aiohttp's own 404/405/413
+        included)."""
         try:
             return await handler(request)
         except ApiError as error:

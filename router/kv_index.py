@@ -1,17 +1,18 @@
 """Prefix-aware routing: which worker holds which prompt prefix, and how that weighs against load.
 
-Every worker reports the block hashes its KV cache starts and stops holding (engine/block_manager.py's
-hash events): a decode worker with each step of its token stream (and all it holds when the router
-subscribes), a prefill worker with each prefill result. `PrefixIndex` keeps them per worker. A prompt's
-block hashes (the same chain the engines compute, protocol/block_hash.py) then tell, for each candidate
-worker, how many of its leading tokens that worker would not need to compute (prefill pool) or receive
-(decode pool).
+Every worker reports the block hashes its KV cache starts and stops holding
+(engine/block_manager.py's hash events): a decode worker with each step of its token stream (and all
+it holds when the router subscribes), a prefill worker with each prefill result. `PrefixIndex` keeps
+them per worker. A prompt's block hashes (the same chain the engines compute,
+protocol/block_hash.py) then tell, for each candidate worker, how many of its leading tokens that
+worker would not need to compute (prefill pool) or receive (decode pool).
 
-The index is a guess, never a promise: an event may be late or lost, and a worker's cache may evict a
-block right after the router looked. A wrong guess costs time, never correctness: the worker itself
-matches the prompt against its cache when the request arrives.
+The index is a guess, never a promise: an event may be late or lost, and a worker's cache may evict
+a block right after the router looked. A wrong guess costs time, never correctness: the worker
+itself matches the prompt against its cache when the request arrives.
 
-`rank` orders a pool's candidates by an estimate of the work in front of the request, in prompt tokens:
+`rank` orders a pool's candidates by an estimate of the work in front of the request, in prompt
+tokens:
 
     prefill pool:  queued prompt tokens + prompt tokens - prefix_weight * cached tokens
     decode pool:   queued prompt tokens + decode_stream_tokens * running requests
@@ -122,7 +123,8 @@ def rank(
     prompt_tokens: int,
     role: str,
 ) -> list[Candidate]:
-    """`workers` (ready ones of one pool) best first for this prompt; `role`: "prefill" or "decode"."""
+    """`workers` (ready ones of one pool) best first for this prompt; `role`: "prefill" or
+    "decode"."""
     if not workers:
         return []
     blocks = index.cached_blocks(hashes, (w.worker_id for w in workers)) if hashes else {}
@@ -154,6 +156,7 @@ def rank(
 
 
 def _streams(worker: WorkerHandle) -> int:
-    """The requests a worker holds or is about to: those routed there, and the KV reservations on their way
-    (a burst of requests all ranks before the first reservation returns, and must not all land on one)."""
+    """The requests a worker holds or is about to: those routed there, and the KV reservations on
+    their way (a burst of requests all ranks before the first reservation returns, and must not all
+    land on one)."""
     return worker.in_flight + worker.reserving

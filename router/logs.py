@@ -1,8 +1,8 @@
 """Structured logs: every line logged while a request is being served carries its request id.
 
-The id lives in a context variable set by the frontend (gRPC or HTTP) for the request's task; asyncio
-copies context into tasks the request starts, so background calls made for it log the id too.
-`configure_logging` installs the filter and a text or JSON-lines format on the root logger.
+The id lives in a context variable set by the frontend (gRPC or HTTP) for the request's task;
+asyncio copies context into tasks the request starts, so background calls made for it log the id
+too. `configure_logging` installs the filter and a text or JSON-lines format on the root logger.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The router's Prometheus metrics (prometheus_client), served at `GET /metrics`.
 
-Histograms and counters are fed by the router as requests stream and finish. Gauges of pools, queues,
-KV-cache use and GPU telemetry come from a snapshot of the workers' loads taken when /metrics is
-scraped (`set_snapshot`), so a scrape always shows current values and costs nothing between scrapes.
-Each system has its own registry: two systems in one process (tests) never share series.
+Histograms and counters are fed by the router as requests stream and finish. Gauges of pools,
+queues, KV-cache use and GPU telemetry come from a snapshot of the workers' loads taken when
+/metrics is scraped (`set_snapshot`), so a scrape always shows current values and costs nothing
+between scrapes. Each system has its own registry: two systems in one process (tests) never share
+series.
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ class RouterMetrics:
         )
         self.prefix_hit_tokens = Counter(
             "pdserve_prefix_cache_hit_tokens",
-            "Prompt tokens found in a worker's KV cache: not computed (prefill "
-            "pool, and local prefills on the decode pool) or not shipped (the decode pool's reused blocks)",
+            "Prompt tokens found in a worker's KV cache: not computed (prefill pool, and local "
+            "prefills on the decode pool) or not shipped (the decode pool's reused blocks)",
             ["pool"],
             registry=self.registry,
         )
@@ -148,7 +149,8 @@ class RouterMetrics:
             "KV bytes not shipped to decode workers because they held those blocks already",
             registry=self.registry,
         )
-        # The SLO (router/slo.py): attainment = met / all results; rate(goodput) = vLLM's request goodput.
+        # The SLO (router/slo.py): attainment = met / all results; rate(goodput) = vLLM's request
+        # goodput.
         self.slo_requests = Counter(
             "pdserve_slo_requests",
             "Completed requests (finish reason stop or length) by how they fared against "
@@ -178,7 +180,8 @@ class RouterMetrics:
         self.registry.register(_PoolCollector(self))
 
     def observe_finished(self, final) -> None:
-        """A request finished normally: its latencies, transfer and token counts (`final`: router.FinalInfo)."""
+        """A request finished normally: its latencies, transfer and token counts (`final`:
+        router.FinalInfo)."""
         self.requests.labels(
             {"abort": "aborted"}.get(final.finish_reason, final.finish_reason)
         ).inc()
@@ -211,7 +214,8 @@ class RouterMetrics:
 
 
 class _PoolCollector:
-    """Gauges from the last snapshot of the pools (a custom collector: labels come and go with workers)."""
+    """Gauges from the last snapshot of the pools (a custom collector: labels come and go with
+    workers)."""
 
     def __init__(self, metrics: RouterMetrics):
         self.metrics = metrics
@@ -252,7 +256,8 @@ class _PoolCollector:
                 ("decode_step_seconds", "Time of those steps, since start"),
                 (
                     "borrowed_core_steps",
-                    "Engine steps the worker ran on cores borrowed from idle workers of its node, since start",
+                    "Engine steps the worker ran on cores borrowed from idle workers of its node, "
+                    "since start",
                 ),
                 (
                     "lent_core_wait_seconds",
@@ -260,7 +265,8 @@ class _PoolCollector:
                 ),
                 (
                     "lent_core_pauses",
-                    "Decode pauses that lent the worker's cores to a prefill within its TPOT slack, since start",
+                    "Decode pauses that lent the worker's cores to a prefill within its TPOT "
+                    "slack, since start",
                 ),
                 ("lent_core_pause_seconds", "Time of those pauses, since start"),
                 (

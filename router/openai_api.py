@@ -1,11 +1,12 @@
-"""The OpenAI wire format: request bodies of `/v1/completions` and `/v1/chat/completions` turned into the
-public `GenerateRequest` (then validated like every gRPC request), and our stream items turned into
-OpenAI response objects and SSE chunks.
+"""The OpenAI wire format: request bodies of `/v1/completions` and `/v1/chat/completions` turned
+into the public `GenerateRequest` (then validated like every gRPC request), and our stream items
+turned into OpenAI response objects and SSE chunks.
 
-Errors are `ApiError`s carrying the HTTP status and OpenAI's error shape (`error.message/type/param`),
-with `param` naming the offending field as the client spelled it. Unknown fields are refused, as
-OpenAI does; known fields we do not implement are accepted only at their neutral value (for example
-`n: 1`, `presence_penalty: 0`), otherwise refused with a message saying so.
+Errors are `ApiError`s carrying the HTTP status and OpenAI's error shape
+(`error.message/type/param`), with `param` naming the offending field as the client spelled it.
+Unknown fields are refused, as OpenAI does; known fields we do not implement are accepted only at
+their neutral value (for example `n: 1`, `presence_penalty: 0`), otherwise refused with a message
+saying so.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     max_tokens_param: str  # the name the client used, for error messages
-    # Logprobs asked: completions' `logprobs=N`, chat's `top_logprobs` with `logprobs: true`; None: not.
+    # Logprobs asked: completions' `logprobs=N`, chat's `top_logprobs` with `logprobs: true`; None:
+    # not.
     logprobs: Optional[int] = None
     # completions: the prompt's text (and with logprobs, its tokens') before the answer
     echo: bool = False
@@ -141,7 +143,8 @@ def parse_body(raw: bytes) -> dict:
     except json.JSONDecodeError as error:
         raise ApiError(
             400,
-            f"request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}",
+            f"request body is not valid JSON: {error.msg} at line {error.lineno} column "
+            f"{error.colno}",
         ) from error
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -161,7 +164,8 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
     if _has_lone_surrogate(body):
         raise ApiError(
             400,
-            "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not valid Unicode",
+            "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not valid "
+            "Unicode",
         )
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(set(body) - allowed)
@@ -263,7 +267,8 @@ def _choices(body: dict, stream: bool) -> Choices:
 
 
 def _guided(body: dict, guided: "pb.Guided", chat: bool) -> Optional[str]:
-    """Fills `guided` from response_format (chat) or vLLM's guided_* fields; returns the field used."""
+    """Fills `guided` from response_format (chat) or vLLM's guided_* fields; returns the field
+    used."""
     asked = [name for name in GUIDED_FIELDS if body.get(name) is not None]
     response_format = body.get("response_format") if chat else None
     if response_format is not None and response_format != {"type": "text"}:
@@ -323,7 +328,8 @@ def _completion_logprobs(body: dict) -> Optional[int]:
 
 
 def _chat_logprobs(body: dict) -> Optional[int]:
-    """`logprobs: true` and `top_logprobs` (0..20, default 0): the alternatives per token; None without logprobs."""
+    """`logprobs: true` and `top_logprobs` (0..20, default 0): the alternatives per token; None
+    without logprobs."""
     asked = _typed(body, "logprobs", bool, False)
     top = body.get("top_logprobs")
     if top is not None and (not _KINDS[int][1](top) or not 0 <= top <= MAX_LOGPROBS):
@@ -348,7 +354,8 @@ _KINDS = {
 
 
 def _typed(body: dict, name: str, kind: type, default, param: Optional[str] = None):
-    """`body[name]` if it has JSON type `kind`, `default` if absent or null, else an error naming it."""
+    """`body[name]` if it has JSON type `kind`, `default` if absent or null, else an error naming
+    it."""
     value = body.get(name)
     if value is None:
         return default
@@ -472,7 +479,8 @@ def _sampling(body: dict, sampling: "pb.SamplingParams", max_tokens_param: str) 
 
 
 def openai_param(field: str, parsed: ParsedRequest) -> str:
-    """A validator field name (`sampling.top_p`, `prompt.chat.messages[0].role`) as the OpenAI client spells it."""
+    """A validator field name (`sampling.top_p`, `prompt.chat.messages[0].role`) as the OpenAI
+    client spells it."""
     if field.startswith("sampling.guided") and parsed.guided_param is not None:
         return parsed.guided_param
     if field.startswith("prompt.chat.tools"):
@@ -491,7 +499,8 @@ def openai_param(field: str, parsed: ParsedRequest) -> str:
 
 
 def usage_body(finals: Sequence[FinalInfo]) -> dict:
-    """Usage of the choices that ended with `finals`: the prompt counted once, their tokens summed."""
+    """Usage of the choices that ended with `finals`: the prompt counted once, their tokens
+    summed."""
     prompt_tokens = finals[0].prompt_tokens
     completion_tokens = sum(final.completion_tokens for final in finals)
     return {
@@ -508,9 +517,9 @@ def finish_reason(final: FinalInfo) -> str:
 
 @dataclass
 class ResponseShape:
-    """Builds one request's response objects: the non-streaming body and the SSE chunks (each choice's,
-    by its index). `texts` and `prompt_ids` serve logprobs and echo; `prompt_text` is what echo
-    returns."""
+    """Builds one request's response objects: the non-streaming body and the SSE chunks (each
+    choice's, by its index). `texts` and `prompt_ids` serve logprobs and echo; `prompt_text` is what
+    echo returns."""
 
     parsed: ParsedRequest
     model: str
@@ -534,7 +543,8 @@ class ResponseShape:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _answer(self, items: Sequence[StreamItem], opening: bool) -> tuple[str, list[Entry]]:
-        """The items' text and logprob entries; the opening one of an echo with the prompt's before them."""
+        """The items' text and logprob entries; the opening one of an echo with the prompt's before
+        them."""
         text = "".join(item.text for item in items)
         entries = [
             entry
@@ -607,8 +617,8 @@ class ResponseShape:
         return {**self._envelope(False), "choices": bodies, "usage": usage_body(finals)}
 
     def chunk(self, items: Sequence[StreamItem], first: bool = False, index: int = 0) -> dict:
-        """One SSE chunk of choice `index`'s items since its last one sent (their text, and logprobs of
-        all their tokens)."""
+        """One SSE chunk of choice `index`'s items since its last one sent (their text, and logprobs
+        of all their tokens)."""
         final = items[-1].final if items else None
         text, entries = self._answer(items, opening=first)
         streamed_chars = self._streamed_chars.get(index, 0)

@@ -1,9 +1,10 @@
 """Logprobs in OpenAI's two wire shapes, as vLLM writes them.
 
 Completions (legacy): `{tokens, token_logprobs, top_logprobs, text_offset}`, where each position's
-`top_logprobs` is a `{token text: logprob}` dict holding the sampled (or prompt) token first and then
-the top N alternatives (N + 1 entries at most), `None` for the first prompt token, and `text_offset` is
-where each token's text starts (a streamed chunk starts at the length of the text streamed before it).
+`top_logprobs` is a `{token text: logprob}` dict holding the sampled (or prompt) token first and
+then the top N alternatives (N + 1 entries at most), `None` for the first prompt token, and
+`text_offset` is where each token's text starts (a streamed chunk starts at the length of the text
+streamed before it).
 Chat: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
 A token's text is the token decoded alone (a partial UTF-8 character shows as U+FFFD, as in vLLM).
 """
@@ -42,7 +43,8 @@ def _floor(logprob: float) -> float:
 def completion_logprobs(
     entries: Sequence[Entry], texts: TokenTexts, num_top: int, text_offset: int = 0
 ) -> dict:
-    """The legacy completions' logprobs object of `entries`, the first token's text starting at `text_offset`."""
+    """The legacy completions' logprobs object of `entries`, the first token's text starting at
+    `text_offset`."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, value in entries:
         text = texts(token_id)

@@ -1,13 +1,13 @@
-"""Tool calls in the OpenAI chat API: `tools` / `tool_choice` read from a request, the grammar that forces
-a call, and the calls parsed back out of the answer (whole, or as a stream goes).
+"""Tool calls in the OpenAI chat API: `tools` / `tool_choice` read from a request, the grammar that
+forces a call, and the calls parsed back out of the answer (whole, or as a stream goes).
 
 - `tool_choice` "none": the template gets no tools, the answer is text.
-- a named function: the answer is constrained to that function's `parameters` schema; it is the call's
-  arguments (as vLLM does).
-- "required": the answer is constrained to a JSON array of `{"name", "parameters"}` objects, at least
-  one, each naming a given tool (as vLLM does); every item is a call.
-- "auto" (the default with tools): the template gets the tools and the model chooses. Calls are parsed
-  from the format of Hermes / Qwen templates (and of SmolLM2's larger siblings' training):
+- a named function: the answer is constrained to that function's `parameters` schema; it is the
+  call's arguments (as vLLM does).
+- "required": the answer is constrained to a JSON array of `{"name", "parameters"}` objects, at
+  least one, each naming a given tool (as vLLM does); every item is a call.
+- "auto" (the default with tools): the template gets the tools and the model chooses. Calls are
+  parsed from the format of Hermes / Qwen templates (and of SmolLM2's larger siblings' training):
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; an answer without one is text. The
   default model's template (SmolLM2-135M-Instruct) has no tool format: it ignores `tools`, so its
   "auto" answers are text unless the model writes that format by itself.

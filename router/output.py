@@ -1,8 +1,8 @@
-"""What the router streams to a front end for one request: items of tokens and text, the last with the
-request's finish reason, usage and timings; the progress it keeps to build them (tokens streamed so
-far, which a migration re-prefills, the incremental detokenizer, the timestamps); and `Output`, which
-turns a worker's tokens into the next item, noting inter-token latency, tokens, first tokens and TPOTs
-as it goes."""
+"""What the router streams to a front end for one request: items of tokens and text, the last with
+the request's finish reason, usage and timings; the progress it keeps to build them (tokens streamed
+so far, which a migration re-prefills, the incremental detokenizer, the timestamps); and `Output`,
+which turns a worker's tokens into the next item, noting inter-token latency, tokens, first tokens
+and TPOTs as it goes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from protocol.messages import PrefillResult
 
 @dataclass
 class StreamItem:
-    """One message to the client: new tokens and text; `final` carries finish reason, usage, timings."""
+    """One message to the client: new tokens and text; `final` carries finish reason, usage,
+    timings."""
 
     token_ids: list[int]
     text: str
@@ -77,8 +78,8 @@ class Progress:
 
 
 class Output:
-    """Builds a request's stream items. `stats` is the router's `RouterStats` (first tokens and TPOTs
-    are the autoscaler's signals), `metrics` its `RouterMetrics`."""
+    """Builds a request's stream items. `stats` is the router's `RouterStats` (first tokens and
+    TPOTs are the autoscaler's signals), `metrics` its `RouterMetrics`."""
 
     def __init__(self, stats, metrics):
         self._stats = stats

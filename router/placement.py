@@ -1,6 +1,6 @@
-"""Placement: which worker of a pool takes a request's attempt (router/kv_index.py: the prefix it holds
-against its load), and where a disaggregated attempt prefills (router/pd_policy.py: the two pools' best
-candidates compared). Pure bookkeeping on what the router knows: no worker call."""
+"""Placement: which worker of a pool takes a request's attempt (router/kv_index.py: the prefix it
+holds against its load), and where a disaggregated attempt prefills (router/pd_policy.py: the two
+pools' best candidates compared). Pure bookkeeping on what the router knows: no worker call."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from router.pool import NoWorkerError, WorkerHandle, WorkerPool
 
 @dataclass(frozen=True)
 class Prompt:
-    """One attempt's prompt as placement sees it: token ids, and their block hashes (prefix routing)."""
+    """One attempt's prompt as placement sees it: token ids, and their block hashes (prefix
+    routing)."""
 
     ids: list[int]
     hashes: list[bytes]
@@ -59,8 +60,9 @@ class Placement:
         )
 
     def place(self, prompt: Prompt) -> Decision:
-        """Where a disaggregated request's prompt is prefilled: the prefill pool, or its decode worker
-        (each pool's best candidate compared: queued prompt tokens, and what each holds of the prompt)."""
+        """Where a disaggregated request's prompt is prefilled: the prefill pool, or its decode
+        worker (each pool's best candidate compared: queued prompt tokens, and what each holds of
+        the prompt)."""
         remote = next(iter(self.ranked(self.prefill_pool, prompt)), None)
         local = next(iter(self.ranked(self.decode_pool, prompt)), None)
         decision = decide(

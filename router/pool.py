@@ -1,6 +1,6 @@
 """The worker pools as the router sees them: actor handles, what each worker told us about itself,
-how many of our requests each one holds right now (the routing signal, known without an RPC), and its
-state, which changes only through `WorkerHandle`'s methods:
+how many of our requests each one holds right now (the routing signal, known without an RPC), and
+its state, which changes only through `WorkerHandle`'s methods:
 
     ready --drain()--> draining --stop()--> stopping
     any --stop()--> stopping (never started, the system stopping)

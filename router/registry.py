@@ -1,7 +1,7 @@
-"""The requests in flight on the router: one `RequestRecord` per client request, from admission to its
-end (its id stays claimed all that time), and the `Route` of its current attempt (which workers hold
-it, which of them are done with it). Aborting a request, and settling an attempt (counts down, an
-abort wherever blocks may remain), happen here."""
+"""The requests in flight on the router: one `RequestRecord` per client request, from admission to
+its end (its id stays claimed all that time), and the `Route` of its current attempt (which workers
+hold it, which of them are done with it). Aborting a request, and settling an attempt (counts down,
+an abort wherever blocks may remain), happen here."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ class RequestRecord:
     route: Optional[Route] = None  # the current attempt, once its workers are chosen
 
     async def unless_aborted(self, awaitable, every_s: Optional[float] = None, tick=None):
-        """`awaitable`'s result, or RequestAborted as soon as the request is aborted (the awaitable is
-        then cancelled, as it is when the caller is). `tick()` runs every `every_s` meanwhile."""
+        """`awaitable`'s result, or RequestAborted as soon as the request is aborted (the awaitable
+        is then cancelled, as it is when the caller is). `tick()` runs every `every_s` meanwhile."""
         task = asyncio.ensure_future(awaitable)
         try:
             while True:
@@ -61,8 +61,8 @@ class RequestRecord:
 
 
 def choice_request_id(request_id: str, index: int) -> str:
-    """Choice `index` of an n > 1 request runs as its own request (router/choices.py); choice 0 keeps the
-    request's id."""
+    """Choice `index` of an n > 1 request runs as its own request (router/choices.py); choice 0
+    keeps the request's id."""
     return f"{request_id}#{index}" if index else request_id
 
 
@@ -104,8 +104,8 @@ class Registry:
         prefill: Optional[WorkerHandle],
         decode: WorkerHandle,
     ) -> Route:
-        """The attempt's route: counted on its workers, its inbox open before any call that could make
-        the decode worker emit."""
+        """The attempt's route: counted on its workers, its inbox open before any call that could
+        make the decode worker emit."""
         record.route = Route(
             worker_request_id,
             prefill,

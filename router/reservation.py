@@ -1,7 +1,7 @@
-"""The decode reservation: before a disaggregated prompt is prefilled, KV blocks for it are set aside on
-a decode worker, so a transfer never lands where there is no room. Each decode worker is tried, best
-first; while all are full the request waits with backoff (counted in `waiting_for_kv`, bounded by
-`max_waiting_for_kv`) until `admission_timeout_s`."""
+"""The decode reservation: before a disaggregated prompt is prefilled, KV blocks for it are set
+aside on a decode worker, so a transfer never lands where there is no room. Each decode worker is
+tried, best first; while all are full the request waits with backoff (counted in `waiting_for_kv`,
+bounded by `max_waiting_for_kv`) until `admission_timeout_s`."""
 
 from __future__ import annotations
 
@@ -46,10 +46,10 @@ class DecodeReservation:
     async def reserve(
         self, record: RequestRecord, worker_request_id: str, prompt: Prompt
     ) -> tuple[WorkerHandle, int]:
-        """Reserves KV blocks for the prompt on a decode worker, trying each (best first) and then waiting
-        while all are full, so a busy pool queues. Returns the worker and how many leading blocks of the
-        prompt it already held (reused, not sent; prefix routing only: under load routing the whole
-        prompt is sent)."""
+        """Reserves KV blocks for the prompt on a decode worker, trying each (best first) and then
+        waiting while all are full, so a busy pool queues. Returns the worker and how many leading
+        blocks of the prompt it already held (reused, not sent; prefix routing only: under load
+        routing the whole prompt is sent)."""
         config = self._config
         pool = self._placement.decode_pool
         request = ReserveRequest(
@@ -93,13 +93,14 @@ class DecodeReservation:
     async def _try(
         self, record: RequestRecord, decode: WorkerHandle, request: ReserveRequest
     ) -> int | None:
-        """Leading blocks reused on `decode`, or None: no room there now, it died, or it began draining."""
+        """Leading blocks reused on `decode`, or None: no room there now, it died, or it began
+        draining."""
         try:
             reused = await self._client.reserve(decode, record, request)
             if reused is None or decode.is_ready:
                 return reused
-            # A scale-down began draining it while we reserved: hand the blocks back before the drain
-            # looks (it waits for `reserving`), and go elsewhere.
+            # A scale-down began draining it while we reserved: hand the blocks back before the
+            # drain looks (it waits for `reserving`), and go elsewhere.
             await self._client.abort_now(decode, request.request_id)
             return None
         except (asyncio.CancelledError, RequestAborted):

@@ -201,23 +201,24 @@ class Router:
                 log.info("ended without finishing: %s", outcome)
 
     async def abort(self, request_id: str) -> bool:
-        """Ends a request in flight at once (its stream's last item has finish reason "abort"), an n > 1
-        request's other choices with it; its workers are aborted as it ends. False when no such request
-        is in flight."""
+        """Ends a request in flight at once (its stream's last item has finish reason "abort"), an n
+        > 1 request's other choices with it; its workers are aborted as it ends. False when no such
+        request is in flight."""
         found = self._registry.abort(request_id)
         for choice in self._registry.choices_of(request_id):
             found = self._registry.abort(choice) or found
         return found
 
     def route_of(self, request_id: str) -> Optional[Route]:
-        """The workers holding a request's current attempt (`.prefill`, `.decode`); None when it is not
-        in flight or not placed yet."""
+        """The workers holding a request's current attempt (`.prefill`, `.decode`); None when it is
+        not in flight or not placed yet."""
         record = self._registry.get(request_id)
         return record.route if record is not None else None
 
     def stats(self) -> RouterStatsSnapshot:
-        """The router's counts now: requests in flight and waiting for KV room, outcomes, migrations,
-        the SLO, and the recent TTFT, queue and TPOT medians (the autoscaler's signals)."""
+        """The router's counts now: requests in flight and waiting for KV room, outcomes,
+        migrations, the SLO, and the recent TTFT, queue and TPOT medians (the autoscaler's
+        signals)."""
         return self._stats.snapshot(time.monotonic(), len(self._registry))
 
     def count_refused(self, reason: str) -> None:
@@ -226,8 +227,8 @@ class Router:
         self._stats.refused(reason)
 
     def render_metrics(self, snapshot: Optional[Snapshot] = None) -> bytes:
-        """The Prometheus text of the router's metrics, with the pools as `snapshot` shows them (None:
-        as the last snapshot given did)."""
+        """The Prometheus text of the router's metrics, with the pools as `snapshot` shows them
+        (None: as the last snapshot given did)."""
         if snapshot is not None:
             self._metrics.set_snapshot(snapshot)
         return self._metrics.render()
@@ -238,12 +239,14 @@ class Router:
         await self._streams.watch(worker)
 
     def unwatch(self, worker: WorkerHandle, reason: str) -> None:
-        """Ends the subscription to a worker found dead, or stopped: its requests fail over at once."""
+        """Ends the subscription to a worker found dead, or stopped: its requests fail over at
+        once."""
         self._streams.unwatch(worker, reason)
 
     async def writes_released(self) -> None:
         """A front end awaits this before writing a stream item: the consumers woken by one step of
-        tokens all prepare their messages first, then write back to back (router/token_stream.py)."""
+        tokens all prepare their messages first, then write back to back
+        (router/token_stream.py)."""
         await self._streams.writes_released()
 
     # -- migration -------------------------------------------------------------------------------
@@ -255,8 +258,9 @@ class Router:
         progress: Progress,
         pinned_to: Optional[Route],
     ) -> AsyncIterator[StreamItem]:
-        """Runs the mode's flow; when a worker dies under the request, re-runs prompt + tokens so far
-        on healthy workers (the client sees only latency; greedy and seeded output stay the same)."""
+        """Runs the mode's flow; when a worker dies under the request, re-runs prompt + tokens so
+        far on healthy workers (the client sees only latency; greedy and seeded output stay the
+        same)."""
         attempt = 0
         pinned = (
             frozenset(w.worker_id for w in (pinned_to.prefill, pinned_to.decode) if w is not None)

@@ -1,10 +1,11 @@
-"""The service-level objective a system serves to (`pdserve serve --slo ttft:MS,tpot:MS`), and whether a
-finished request met it.
+"""The service-level objective a system serves to (`pdserve serve --slo ttft:MS,tpot:MS`), and
+whether a finished request met it.
 
-Counted as vLLM's benchmark client counts goodput (`vllm bench serve --goodput ttft:1000 tpot:50`): only
-requests that completed count, each against every target, a value equal to its target meeting it; TPOT is
-measured over the tokens after the first, so a one-token request is judged by its TTFT alone. Goodput is
-the rate of completed requests that met both targets. Torch-free: the router imports it.
+Counted as vLLM's benchmark client counts goodput (`vllm bench serve --goodput ttft:1000 tpot:50`):
+only requests that completed count, each against every target, a value equal to its target meeting
+it; TPOT is measured over the tokens after the first, so a one-token request is judged by its TTFT
+alone. Goodput is the rate of completed requests that met both targets. Torch-free: the router
+imports it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Optional
 # FAST_SLO where the workers serve bf16 (CUDA, CPUs with native bf16), else FP32_CPU_SLO
 DEFAULT_SLO = "auto"
 FAST_SLO = "ttft:1000,tpot:50"  # milliseconds: the interactive targets commonly quoted
-# fp32 on a CPU without native bf16 (AVX2 only) runs about 4x slower: the same targets scaled, as the
-# project's serving benchmarks judge such machines (benchmarks/vs_vllm.sh)
+# fp32 on a CPU without native bf16 (AVX2 only) runs about 4x slower: the same targets scaled, as
+# the project's serving benchmarks judge such machines (benchmarks/vs_vllm.sh)
 FP32_CPU_SLO = "ttft:4000,tpot:200"
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-# Finish reasons of requests that completed (vLLM's client: the request succeeded); a request aborted by
-# its client or a worker, or ended by an error, never reached a complete answer and is not counted.
+# Finish reasons of requests that completed (vLLM's client: the request succeeded); a request
+# aborted by its client or a worker, or ended by an error, never reached a complete answer and is
+# not counted.
 COUNTED_FINISH_REASONS = ("stop", "length")
 RESULTS = ("met", "ttft_missed", "tpot_missed", "both_missed")  # a counted request's outcome
 _KEYS = ("ttft", "tpot")
@@ -43,13 +45,14 @@ class SLO:
 
     @classmethod
     def resolve(cls, text: str, dtype: str = "auto", device: str = "auto") -> "SLO":
-        """`text` parsed, "auto" first resolved for the dtype and device the workers are told (`auto_slo`)."""
+        """`text` parsed, "auto" first resolved for the dtype and device the workers are told
+        (`auto_slo`)."""
         return cls.parse(auto_slo(dtype, device) if text == "auto" else text)
 
     @classmethod
     def parse(cls, text: str) -> "SLO":
-        """`ttft:MS,tpot:MS` (comma or space between the two; milliseconds, as vLLM's `--goodput` takes
-        them). ValueError naming the part that is wrong."""
+        """`ttft:MS,tpot:MS` (comma or space between the two; milliseconds, as vLLM's `--goodput`
+        takes them). ValueError naming the part that is wrong."""
         ms: dict[str, float] = {}
         for part in (p for p in re.split(r"[,\s]+", text.strip()) if p):
             key, sep, value = part.partition(":")
@@ -74,7 +77,8 @@ class SLO:
         missing = [key for key in _KEYS if key not in ms]
         if missing:
             raise ValueError(
-                f"SLO {text!r} lacks {' and '.join(missing)} (format ttft:MS,tpot:MS, e.g. {DEFAULT_SLO})"
+                f"SLO {text!r} lacks {' and '.join(missing)} (format ttft:MS,tpot:MS, e.g. "
+                f"{DEFAULT_SLO})"
             )
         return cls(ttft_s=ms["ttft"] / 1e3, tpot_s=ms["tpot"] / 1e3)
 
@@ -82,7 +86,8 @@ class SLO:
         return f"ttft:{self.ttft_s * 1e3:.12g},tpot:{self.tpot_s * 1e3:.12g}"
 
     def result(self, ttft_s: float, tpot_s: Optional[float]) -> str:
-        """One of RESULTS for a completed request; `tpot_s` None or 0 (one token: no TPOT) meets its target."""
+        """One of RESULTS for a completed request; `tpot_s` None or 0 (one token: no TPOT) meets its
+        target."""
         ttft_met = ttft_s <= self.ttft_s
         tpot_met = not tpot_s or tpot_s <= self.tpot_s
         return RESULTS[(not ttft_met) + 2 * (not tpot_met)]
@@ -93,10 +98,10 @@ class SLO:
 
 
 def auto_slo(dtype: str, device: str, cpu_flags: Optional[set[str]] = None) -> str:
-    """The default SLO for a system serving `dtype` on `device` (their flags' values): FAST_SLO for bf16 or
-    CUDA, FP32_CPU_SLO for fp32 on a CPU. dtype "auto" is decided as the workers decide it
-    (engine.dtypes.auto_dtype), from this machine's CPU flags (`/proc/cpuinfo`) and $PDSERVE_AUTO_DTYPE:
-    on a cluster, the head node's CPU stands for the workers'."""
+    """The default SLO for a system serving `dtype` on `device` (their flags' values): FAST_SLO for
+    bf16 or CUDA, FP32_CPU_SLO for fp32 on a CPU. dtype "auto" is decided as the workers decide it
+    (engine.dtypes.auto_dtype), from this machine's CPU flags (`/proc/cpuinfo`) and
+    $PDSERVE_AUTO_DTYPE: on a cluster, the head node's CPU stands for the workers'."""
     import os
 
     from engine.dtypes import AUTO_DTYPE_ENV  # torch-free

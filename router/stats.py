@@ -1,6 +1,7 @@
 """What the router counts: requests by outcome, migrations, the SLO, and the recent first tokens and
 TPOTs the autoscaler and `GetStats` read; each event also feeds the Prometheus metrics
-(router/metrics.py). Outside the router these are read as one `RouterStatsSnapshot` (`Router.stats`)."""
+(router/metrics.py). Outside the router these are read as one `RouterStatsSnapshot`
+(`Router.stats`)."""
 
 from __future__ import annotations
 
@@ -84,8 +85,8 @@ class RouterStats:
             self.slo_met += result == "met"
             self.metrics.observe_slo(result)
         log.info(
-            "finished (%s): %d prompt (%d cached) + %d completion tokens, TTFT %.1f ms (queue %.1f, "
-            "prefill %.1f), TPOT %.1f ms, KV %d B in %.1f ms, prefill %s, decode %s",
+            "finished (%s): %d prompt (%d cached) + %d completion tokens, TTFT %.1f ms (queue "
+            "%.1f, prefill %.1f), TPOT %.1f ms, KV %d B in %.1f ms, prefill %s, decode %s",
             final.finish_reason,
             final.prompt_tokens,
             final.cached_prompt_tokens,

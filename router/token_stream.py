@@ -2,11 +2,11 @@
 (`pdserve.internal.v1.DecodeOutputs/Subscribe`), read on a thread of its own, and are handed to the
 requests' inboxes on the router's loop.
 
-`TokenStreams` holds one `Subscription` per decode worker and one `Inbox` per request attempt, fed only
-by the worker that holds that attempt (a worker whose reservation was handed back cannot end the
-attempt running elsewhere under the same id). When a worker's stream ends, every request it holds gets
-`WorkerLost` in its inbox. The write gate lets the consumers a step woke prepare their messages before
-any of them writes.
+`TokenStreams` holds one `Subscription` per decode worker and one `Inbox` per request attempt, fed
+only by the worker that holds that attempt (a worker whose reservation was handed back cannot end
+the attempt running elsewhere under the same id). When a worker's stream ends, every request it
+holds gets `WorkerLost` in its inbox. The write gate lets the consumers a step woke prepare their
+messages before any of them writes.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class TokenStreams:
         self._write_gate: Optional[asyncio.Future] = None  # see `_take`
 
     async def watch(self, worker: WorkerHandle, timeout_s: float = 30.0) -> None:
-        """Subscribes to a decode worker's token stream; returns once the subscription is in place, so
-        nothing the worker emits for requests routed to it after this is lost."""
+        """Subscribes to a decode worker's token stream; returns once the subscription is in place,
+        so nothing the worker emits for requests routed to it after this is lost."""
         address, secret = await worker.actor.output_address.remote()
         subscription = Subscription(
             worker,
@@ -66,13 +66,15 @@ class TokenStreams:
             raise
 
     def unwatch(self, worker: WorkerHandle, reason: str) -> None:
-        """Ends the subscription to a worker found dead (or stopped) elsewhere: its requests fail over at once."""
+        """Ends the subscription to a worker found dead (or stopped) elsewhere: its requests fail
+        over at once."""
         subscription = self._subscriptions.get(worker.worker_id)
         if subscription is not None:
             subscription.cancel(reason)
 
     def open(self, worker_request_id: str, holder: WorkerHandle) -> "Inbox":
-        """The inbox of a request attempt on `holder`: opened before any call that could make it emit."""
+        """The inbox of a request attempt on `holder`: opened before any call that could make it
+        emit."""
         inbox = Inbox(asyncio.get_running_loop())
         self._inboxes[worker_request_id] = (holder, inbox)
         return inbox
@@ -99,13 +101,13 @@ class TokenStreams:
             await asyncio.shield(gate)
 
     def _take(self, subscription: "Subscription") -> None:
-        """On the loop: hands out every chunk the subscription's reader thread collected since the last
-        call. After a stall (a busy loop) that is several steps, which each request then sends as one
-        message."""
+        """On the loop: hands out every chunk the subscription's reader thread collected since the
+        last call. After a stall (a busy loop) that is several steps, which each request then sends
+        as one message."""
         self.deliver(subscription.worker, subscription.take())
         # The requests' consumers woken above run before this gate opens: each does its Python work
-        # (detokenizing, metrics, the response) and waits in `writes_released`, then the step's writes
-        # go out back to back, which costs less CPU than writes spaced out by that work.
+        # (detokenizing, metrics, the response) and waits in `writes_released`, then the step's
+        # writes go out back to back, which costs less CPU than writes spaced out by that work.
         loop = asyncio.get_running_loop()
         gate = self._write_gate = loop.create_future()
         loop.call_soon(_open_gate, gate)
@@ -128,8 +130,8 @@ class TokenStreams:
 
 
 class Inbox:
-    """A request's chunks, queued for its consumer: asyncio.Queue's part that the router uses, minus its
-    cost per message (it looks the running loop up, a getpid system call, for each wait)."""
+    """A request's chunks, queued for its consumer: asyncio.Queue's part that the router uses, minus
+    its cost per message (it looks the running loop up, a getpid system call, for each wait)."""
 
     __slots__ = ("_items", "_waiter", "_loop")
 
@@ -160,13 +162,14 @@ def _open_gate(gate: asyncio.Future) -> None:
 
 
 class Subscription:
-    """One decode worker's token stream, read by a thread of its own (a blocking gRPC stream), so that
-    steps keep arriving while the router's loop is busy and a stalled loop then takes them all at once.
-    (Read on the loop with grpc.aio, each step would be handed out before the next is read.) Every
-    message, the worker's idle heartbeats included, counts as hearing from it (`last_heard_s`): a
-    worker that falls silent is pinged through Ray by the healer, which finds a lost node that way.
-    No gRPC keepalive: its pings, on a stream where the router never sends, trip the server's limits.
-    The KV hash events that travel with the chunks go straight into `kv_index`, from this thread."""
+    """One decode worker's token stream, read by a thread of its own (a blocking gRPC stream), so
+    that steps keep arriving while the router's loop is busy and a stalled loop then takes them all
+    at once. (Read on the loop with grpc.aio, each step would be handed out before the next is
+    read.) Every message, the worker's idle heartbeats included, counts as hearing from it
+    (`last_heard_s`): a worker that falls silent is pinged through Ray by the healer, which finds a
+    lost node that way. No gRPC keepalive: its pings, on a stream where the router never sends, trip
+    the server's limits. The KV hash events that travel with the chunks go straight into `kv_index`,
+    from this thread."""
 
     def __init__(
         self,
@@ -178,8 +181,8 @@ class Subscription:
         on_lost: Callable[["Subscription", str], None],
         kv_index: PrefixIndex,
     ):
-        """`on_chunks(self)` runs on `loop` when chunks wait in `take()`; `on_lost(self, error)` once the
-        stream has ended."""
+        """`on_chunks(self)` runs on `loop` when chunks wait in `take()`; `on_lost(self, error)`
+        once the stream has ended."""
         self.worker = worker
         self._kv_index = kv_index
         # set once the worker's hello came

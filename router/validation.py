@@ -1,5 +1,6 @@
-"""Turning a public `GenerateRequest` into a validated internal request, or a `RequestValidationError`
-that names the field and the limit (the router sends it as INVALID_ARGUMENT)."""
+"""Turning a public `GenerateRequest` into a validated internal request, or a
+`RequestValidationError` that names the field and the limit (the router sends it as
+INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ class ValidationLimits:
         if not model or model == self.max_context_tokens:
             return f"the model's context is {self.max_context_tokens} tokens"
         return (
-            f"this server's context is {self.max_context_tokens} tokens (the model's is {model}; a worker's "
-            f"KV cache holds {self.max_context_tokens}: see --kv-cache-mib)"
+            f"this server's context is {self.max_context_tokens} tokens (the model's is {model}; "
+            f"a worker's KV cache holds {self.max_context_tokens}: see --kv-cache-mib)"
         )
 
 

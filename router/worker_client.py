@@ -2,8 +2,8 @@
 (protocol/requests.py). What the flows need not know lives here: a worker's death during a request's
 call becomes `WorkerLost` (the request migrates) and its abort `RequestAborted`; best-effort calls
 (renew, abort) run in the background, their failures logged. The KV handoff is not among them: the
-prefill worker admits the request on its decode worker, which acknowledges the KV back to it, on every
-transport (protocol/requests.py's `AdmitRequest`, `AcknowledgeRequest`)."""
+prefill worker admits the request on its decode worker, which acknowledges the KV back to it, on
+every transport (protocol/requests.py's `AdmitRequest`, `AcknowledgeRequest`)."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ class WorkerClient:
         every_s: Optional[float] = None,
         tick=None,
     ) -> Optional[PrefillResult]:
-        """None when the prefill worker was told to abort it. `tick()` runs every `every_s` while the
-        prompt waits (the decode reservation's renewal)."""
+        """None when the prefill worker was told to abort it. `tick()` runs every `every_s` while
+        the prompt waits (the decode reservation's renewal)."""
         return await self._call(worker, record, worker.actor.prefill.remote(request), every_s, tick)
 
     async def admit_colocated(
