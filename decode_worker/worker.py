@@ -5,12 +5,12 @@ A disaggregated request arrives in two calls, in this order: `reserve` from the 
 aside, with a deadline) -> `admit` from the prefill worker, directly (its first token, and the KV
 deliveries of a routed transport, installed here and acknowledged to that prefill worker directly).
 The KV may become ready before or after `admit` (grpc streams it in-band); either way the request
-joins the batch at the next step once both have happened. Ready KV that nobody claims within the reservation's deadline is freed.
-In colocated mode `admit_colocated` runs the whole request here. Tokens of every request leave through
-one gRPC server stream that the router subscribes to once (`output_address` says where): one message
-per engine step, not one per request per step. It is not a Ray streaming generator: those cost the
-router about twice the CPU per item (docs/benchmarks.md). Everything touching the engine runs on its
-loop thread.
+joins the batch at the next step once both have happened. Ready KV that nobody claims within the
+reservation's deadline is freed. In colocated mode `admit_colocated` runs the whole request here.
+Tokens of every request leave through one gRPC server stream that the router subscribes to once
+(`output_address` says where): one message per engine step, not one per request per step. It is not
+a Ray streaming generator: those cost the router about twice the CPU per item (docs/benchmarks.md).
+Everything touching the engine runs on its loop thread.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class _Admission:  # what `admit` brings: the request as it decodes here
 
 @dataclass
 class _Handoff:
-    """A disaggregated request on this worker from its reservation to its first decoded chunk. It joins
-    the running batch once both its admission and its KV are here, in either order; ready KV that is not
-    admitted within `timeout_s` is freed."""
+    """A disaggregated request on this worker from its reservation to its first decoded chunk. It
+    joins the running batch once both its admission and its KV are here, in either order; ready KV
+    that is not admitted within `timeout_s` is freed."""
 
     timeout_s: float
     admission: Optional[_Admission] = None
@@ -124,10 +124,10 @@ class DecodeWorker(ParkingEndpoints):
     # -- disaggregated path --------------------------------------------------------------------
 
     async def reserve(self, request: ReserveRequest) -> Optional[int]:
-        """Sets blocks aside for a prompt's KV. With its token ids, the blocks of its prefix that this
-        worker holds (an earlier turn, a shared system prompt) are reused rather than sent; else only
-        its length counts. Returns how many leading blocks are reused (the prefill worker sends the
-        others), or None (a reply, not an exception) when the blocks are not free."""
+        """Sets blocks aside for a prompt's KV. With its token ids, the blocks of its prefix that
+        this worker holds (an earlier turn, a shared system prompt) are reused rather than sent;
+        else only its length counts. Returns how many leading blocks are reused (the prefill worker
+        sends the others), or None (a reply, not an exception) when the blocks are not free."""
         request_id, prompt_ids, timeout_s = (
             request.request_id,
             request.prompt_ids,
@@ -156,14 +156,15 @@ class DecodeWorker(ParkingEndpoints):
         return await self.loop.call(reserve, mid_step=True)
 
     async def renew(self, request: RenewRequest) -> bool:
-        """Restarts a reservation's clock (its prompt still waits for prefill); False when it is gone."""
+        """Restarts a reservation's clock (its prompt still waits for prefill); False when it is
+        gone."""
         return await self.loop.call(
             lambda: self.receiver.renew(request.request_id, request.timeout_s), mid_step=True
         )
 
     async def deliver(self, deliveries: Sequence) -> bool:
-        """Installs a routed transport's deliveries; True once the request has all its KV. A failure is
-        reported to the request's stream by the next poll."""
+        """Installs a routed transport's deliveries; True once the request has all its KV. A failure
+        is reported to the request's stream by the next poll."""
         ready = False
         for delivery in deliveries:
             try:
@@ -174,10 +175,11 @@ class DecodeWorker(ParkingEndpoints):
         return ready
 
     async def admit(self, request: AdmitRequest) -> None:
-        """From the prefill worker: the request joins the running batch as soon as its KV is ready (now,
-        if it already is). `deliveries` are a routed transport's KV messages (ray, rdt): installed here,
-        in the same call, and acknowledged to `acknowledge_to` (the prefill worker) as soon as all are,
-        so its sender frees the blocks; neither message passes through the router."""
+        """From the prefill worker: the request joins the running batch as soon as its KV is ready
+        (now, if it already is). `deliveries` are a routed transport's KV messages (ray, rdt):
+        installed here, in the same call, and acknowledged to `acknowledge_to` (the prefill worker)
+        as soon as all are, so its sender frees the blocks; neither message passes through the
+        router."""
         admission = _Admission(list(request.prompt_ids), request.first_token_id, request.params)
         await self.loop.call(lambda: self._admit(request.request_id, admission))
         if await self.deliver(request.deliveries) and request.acknowledge_to is not None:
@@ -224,18 +226,20 @@ class DecodeWorker(ParkingEndpoints):
             self._output_port = server.add_insecure_port(host_port(self._kv_host, 0))
             if self._output_port == 0:
                 raise OSError(
-                    f"decode worker {self.worker_id} could not bind its token stream on {self._kv_host}"
+                    f"decode worker {self.worker_id} could not bind its token stream on "
+                    f"{self._kv_host}"
                 )
             await server.start()
             self._output_server = server
         return _reachable(host_port(self._kv_host, self._output_port)), self._output_secret
 
     async def _serve_outputs(self, request: bytes, context) -> AsyncIterator[bytes]:
-        """The router's subscription: a hello once the channel is open (nothing is lost after it), then
-        each engine step's chunks for all its requests, errors and aborts included, and an empty
-        message after each second without any (the router hears the worker is alive). A request ends
-        with a chunk that has a finish reason or an error. A new subscription ends the previous one,
-        whose router then fails its requests over rather than wait on a stream nobody feeds."""
+        """The router's subscription: a hello once the channel is open (nothing is lost after it),
+        then each engine step's chunks for all its requests, errors and aborts included, and an
+        empty message after each second without any (the router hears the worker is alive). A
+        request ends with a chunk that has a finish reason or an error. A new subscription ends the
+        previous one, whose router then fails its requests over rather than wait on a stream nobody
+        feeds."""
         offered = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not secrets.compare_digest(offered.encode(), self._output_secret.encode()):
             await context.abort(
@@ -246,8 +250,8 @@ class DecodeWorker(ParkingEndpoints):
         channel = self._output_channel = self.loop.open_channel()
         allocator = self.engine.allocator
         try:
-            # The router's index of which prefixes live here starts from what the cache holds now; the
-            # hash events of each step then travel with its chunks.
+            # The router's index of which prefixes live here starts from what the cache holds now;
+            # the hash events of each step then travel with its chunks.
             yield encode_hello(self.worker_id, await self.loop.call(allocator.track_events))
             while True:
                 try:
@@ -366,7 +370,8 @@ class DecodeWorker(ParkingEndpoints):
         )
 
     def _first_chunk_kv_ready_wall_s(self, request_id: str) -> Optional[float]:
-        """When the request's KV became ready, on its first decoded chunk (its handoff ends there)."""
+        """When the request's KV became ready, on its first decoded chunk (its handoff ends
+        there)."""
         handoff = self._handoffs.get(request_id)
         if handoff is None or not handoff.decoding:
             return None
@@ -381,7 +386,8 @@ _ABORTED_UNKNOWN_KEEP_S = 30.0
 
 
 def _reachable(address: str) -> str:
-    """A bound host:port as others reach it: a wildcard bind is advertised as this node's address."""
+    """A bound host:port as others reach it: a wildcard bind is advertised as this node's
+    address."""
     host, _, port = address.rpartition(":")
     if host in ("0.0.0.0", "[::]", "::"):
         host = node_ip_address()
