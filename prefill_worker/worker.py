@@ -5,8 +5,8 @@ transport's deliveries) to that worker's `admit`.
 
 Ownership: after prefill the engine detaches the request's blocks and the sender owns them until the
 decode side acknowledges (ray, rdt: the decode worker calls `acknowledge` once it installed them;
-grpc: on the KV stream), the request is aborted, or the lease expires (`kvtransfer` frees them then).
-Everything touching the engine runs on its loop thread.
+grpc: on the KV stream), the request is aborted, or the lease expires (`kvtransfer` frees them
+then). Everything touching the engine runs on its loop thread.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ class PrefillWorker(ParkingEndpoints):
         return describe(self.engine, self.worker_id, "prefill", None)
 
     async def prefill(self, request: PrefillRequest) -> Optional[PrefillResult]:
-        """The prompt's first token and KV handoff, which leaves out the first `skip_blocks` blocks (the
-        decode worker holds them already); None when the request was aborted meanwhile."""
+        """The prompt's first token and KV handoff, which leaves out the first `skip_blocks` blocks
+        (the decode worker holds them already); None when the request was aborted meanwhile."""
         request_id = request.request_id
         outputs = self.loop.listen(request_id)
         try:
@@ -113,8 +113,8 @@ class PrefillWorker(ParkingEndpoints):
 
     def _hand_over(self, request: PrefillRequest, admission: AdmitRequest) -> None:
         """Sends the decode worker its admission before the first token goes back to the router. Its
-        failure (the decode worker died) reaches the router on that worker's token stream: logged only;
-        the KV stays the sender's until the router's abort or the lease."""
+        failure (the decode worker died) reaches the router on that worker's token stream: logged
+        only; the KV stays the sender's until the router's abort or the lease."""
         if request.decode is None:
             log.warning("request %s has no decode worker to hand its KV to", request.request_id)
             return
