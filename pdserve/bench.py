@@ -11,19 +11,21 @@ Where vLLM leaves a choice open, ours:
 - a chunk is one streamed message that carries new output (gRPC: token ids; HTTP: non-empty text).
   Messages without output (a chat role-only delta, a finish-only or usage-only chunk, text held back
   by the detokenizer) are not chunks; their time falls into the next gap;
-- ITL: one gap per chunk after the first, however many tokens the chunk carries (as vLLM appends it),
-  so with multi-token chunks ITL is a per-chunk latency and TPOT the per-token one;
-- output tokens come from the server's usage when it reports them, else the tokens seen (gRPC) or the
-  generated text re-tokenized (HTTP); prompt tokens likewise (HTTP prompts are re-tokenized by the server);
-- a sweep keeps the prompt and output lengths (drawn from `seed`) at every rate but draws fresh token
-  content per rate (from `seed` and the rate's index), so no rate finds an earlier rate's prompts in
-  the prefix cache; `reuse_prompts` sends the very same prompts instead. Arrivals use `seed + index`;
+- ITL: one gap per chunk after the first, however many tokens the chunk carries (as vLLM appends
+  it), so with multi-token chunks ITL is a per-chunk latency and TPOT the per-token one;
+- output tokens come from the server's usage when it reports them, else the tokens seen (gRPC) or
+  the generated text re-tokenized (HTTP); prompt tokens likewise (HTTP prompts are re-tokenized by
+  the server);
+- a sweep keeps the prompt and output lengths (drawn from `seed`) at every rate but draws fresh
+  token content per rate (from `seed` and the rate's index), so no rate finds an earlier rate's
+  prompts in the prefix cache; `reuse_prompts` sends the very same prompts instead. Arrivals use
+  `seed + index`;
 - figures over no data (no completed request, no request with two tokens) are None, not 0.
 
-The conversation dataset (`--dataset conversation`) runs `users` chats of `turns` turns each instead of
-independent prompts, through a chat backend (gRPC `chat` or OpenAI `messages`). Every user shares one
-random system prompt; each turn adds a fresh random user message and sends the whole history, the
-assistant's replies being the text the server streamed back. Its choices:
+The conversation dataset (`--dataset conversation`) runs `users` chats of `turns` turns each instead
+of independent prompts, through a chat backend (gRPC `chat` or OpenAI `messages`). Every user shares
+one random system prompt; each turn adds a fresh random user message and sends the whole history,
+the assistant's replies being the text the server streamed back. Its choices:
 - the arrival process starts users, not requests (an infinite rate starts them all at once); a user
   sends its next turn once the previous reply has ended and its think time has passed;
 - think times are exponential with mean `think_time_s` (0: none), drawn from `seed` and the user, so
@@ -131,8 +133,8 @@ class BenchConfig:
             ),
             (
                 self.dataset != "conversation" or self.backend in CHAT_BACKENDS,
-                f"--dataset conversation sends chat messages: --backend must be one of {', '.join(CHAT_BACKENDS)}, "
-                f"got {self.backend!r}",
+                "--dataset conversation sends chat messages: --backend must be one of "
+                f"{', '.join(CHAT_BACKENDS)}, got {self.backend!r}",
             ),
             (self.users >= 1, f"--users must be >= 1, got {self.users}"),
             (self.turns >= 1, f"--turns must be >= 1, got {self.turns}"),
@@ -154,7 +156,8 @@ class BenchConfig:
             (self.timeout_s > 0, f"--timeout-s must be > 0, got {self.timeout_s}"),
             (
                 set(self.percentile_metrics) <= set(METRICS),
-                f"--percentile-metrics must be among {', '.join(METRICS)}, got {self.percentile_metrics}",
+                f"--percentile-metrics must be among {', '.join(METRICS)}, got "
+                f"{self.percentile_metrics}",
             ),
             (
                 all(0 < p < 100 for p in self.metric_percentiles),
@@ -165,7 +168,8 @@ class BenchConfig:
             checks.append(
                 (
                     name in GOODPUT_METRICS and slo_ms >= 0,
-                    f"--goodput takes {'/'.join(GOODPUT_METRICS)}:MS with MS >= 0, got {name}:{slo_ms}",
+                    f"--goodput takes {'/'.join(GOODPUT_METRICS)}:MS with MS >= 0, got "
+                    f"{name}:{slo_ms}",
                 )
             )
         for ok, message in checks:
@@ -245,7 +249,8 @@ def _vocab(tokenizer) -> np.ndarray:
 def _text_of_length(
     tokenizer, ids: list[int], target_len: int, rng: np.random.Generator, vocab: np.ndarray
 ) -> str:
-    # Random ids do not survive decode -> encode unchanged (merges, broken UTF-8): adjust a few times, as vLLM does.
+    # Random ids do not survive decode -> encode unchanged (merges, broken UTF-8): adjust a few
+    # times, as vLLM does.
     text = tokenizer.decode(ids)
     for _ in range(10):
         again = tokenizer.encode(text, add_special_tokens=False)
@@ -261,7 +266,8 @@ def _text_of_length(
 
 @dataclass(frozen=True)
 class Conversation:
-    """One user's side of a chat, written in advance; the assistant's side is what the server answers."""
+    """One user's side of a chat, written in advance; the assistant's side is what the server
+    answers."""
 
     system_prompt: str  # the same for every user; empty: no system message
     user_messages: tuple[str, ...]  # one per turn
@@ -305,8 +311,8 @@ def conversations(tokenizer, config: BenchConfig, content_index: int = 0) -> lis
 def arrival_times_s(
     num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
 ) -> list[float]:
-    """Send times from the start: the first at 0, then gamma gaps of mean 1/rate (shape `burstiness`;
-    1.0 is a Poisson process). An infinite rate sends everything at once."""
+    """Send times from the start: the first at 0, then gamma gaps of mean 1/rate (shape
+    `burstiness`; 1.0 is a Poisson process). An infinite rate sends everything at once."""
     if math.isinf(request_rate):
         return [0.0] * num_requests
     rng = np.random.default_rng(seed)
@@ -447,9 +453,9 @@ def _rate_result(
 
 
 async def run_bench(config: BenchConfig, tokenizer=None) -> dict:
-    """Every rate of `config.request_rates` in turn against one connection; prints each result table.
-    Returns the report: date, model, config and one result per rate. `tokenizer`: one already loaded
-    for `config.tokenizer` (loading takes seconds)."""
+    """Every rate of `config.request_rates` in turn against one connection; prints each result
+    table. Returns the report: date, model, config and one result per rate. `tokenizer`: one already
+    loaded for `config.tokenizer` (loading takes seconds)."""
     if tokenizer is None:
         from engine.tokenizer import load_tokenizer
 
@@ -610,15 +616,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--think-time-s",
         type=float,
         default=0.0,
-        help="conversation dataset: mean pause between a reply and the user's next turn, exponential "
-        "and seeded (0: none)",
+        help="conversation dataset: mean pause between a reply and the user's next turn, "
+        "exponential and seeded (0: none)",
     )
     p.add_argument(
         "--request-rate",
         type=_floats,
         default=(math.inf,),
-        help="requests/s, or a comma-separated sweep (0.5,1,2,inf); inf sends all at once (default); "
-        "conversation dataset: users started/s",
+        help="requests/s, or a comma-separated sweep (0.5,1,2,inf); inf sends all at once "
+        "(default); conversation dataset: users started/s",
     )
     p.add_argument(
         "--burstiness",
@@ -632,7 +638,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--reuse-prompts",
         action="store_true",
-        help="send the same prompts at every rate of a sweep (default: same lengths, fresh tokens per rate)",
+        help="send the same prompts at every rate of a sweep (default: same lengths, fresh "
+        "tokens per rate)",
     )
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument(

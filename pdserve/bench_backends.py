@@ -1,7 +1,8 @@
-"""`pdserve bench`'s backends: one streamed request over the pdserve gRPC API or an OpenAI-compatible
-HTTP API, timed into a `RequestRecord` (TTFT at the first chunk with output, a gap per later chunk),
-with the reply's text and what the server reports of the KV it shipped and the prompt tokens it found
-cached. A prompt with `messages` goes as chat messages (gRPC `chat`, OpenAI `messages`)."""
+"""`pdserve bench`'s backends: one streamed request over the pdserve gRPC API or an
+OpenAI-compatible HTTP API, timed into a `RequestRecord` (TTFT at the first chunk with output, a gap
+per later chunk), with the reply's text and what the server reports of the KV it shipped and the
+prompt tokens it found cached. A prompt with `messages` goes as chat messages (gRPC `chat`, OpenAI
+`messages`)."""
 
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ class OpenAIBackend:
     async def open(self) -> None:
         import aiohttp
 
-        # No connection limit: concurrency is the benchmark's to set (request rate, --max-concurrency).
+        # No connection limit: concurrency is the benchmark's to set (request rate,
+        # --max-concurrency).
         verify = (
             ssl.create_default_context(cafile=self.config.tls_ca) if self.config.tls_ca else True
         )

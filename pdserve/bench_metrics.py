@@ -1,6 +1,6 @@
-"""`pdserve bench`'s figures: the per-request record, vLLM's serving metrics computed from records (a
-pure function, testable without a server), the per-turn figures of the conversation dataset, and the
-result tables as vLLM prints them."""
+"""`pdserve bench`'s figures: the per-request record, vLLM's serving metrics computed from records
+(a pure function, testable without a server), the per-turn figures of the conversation dataset, and
+the result tables as vLLM prints them."""
 
 from __future__ import annotations
 
@@ -52,9 +52,10 @@ def compute_metrics(
     goodput_slos_ms: Optional[dict[str, float]] = None,
 ) -> dict:
     """vLLM's serving figures from per-request records. Failed requests count only in `failed` (and
-    in the peak concurrency). TPOT is (e2el - ttft) / (output_len - 1) over requests with two or more
-    output tokens; ITL pools every gap of every completed request. Goodput counts the completed
-    requests meeting every given SLO (a request of one output token meets any TPOT SLO, as in vLLM)."""
+    in the peak concurrency). TPOT is (e2el - ttft) / (output_len - 1) over requests with two or
+    more output tokens; ITL pools every gap of every completed request. Goodput counts the completed
+    requests meeting every given SLO (a request of one output token meets any TPOT SLO, as in
+    vLLM)."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     done = [r for r in records if r.success]
@@ -92,10 +93,11 @@ def compute_metrics(
 def per_turn_metrics(
     records: Sequence[RequestRecord], percentiles: Sequence[float] = (50.0, 99.0)
 ) -> list[dict]:
-    """The conversation dataset's figures per turn index (records without a turn are left out): requests
-    completed and failed, and over the completed ones the mean prompt tokens, TTFT statistics, the mean
-    KV bytes shipped and the mean cached prompt tokens, each mean over the requests that report the
-    value (None when none does: the OpenAI backends never know KV bytes)."""
+    """The conversation dataset's figures per turn index (records without a turn are left out):
+    requests completed and failed, and over the completed ones the mean prompt tokens, TTFT
+    statistics, the mean KV bytes shipped and the mean cached prompt tokens, each mean over the
+    requests that report the value (None when none does: the OpenAI backends never know KV
+    bytes)."""
     per_turn = []
     for turn in sorted({r.turn for r in records if r.turn is not None}):
         sent = [r for r in records if r.turn == turn]
@@ -141,7 +143,8 @@ def _slo_value_ms(record: RequestRecord, name: str) -> float:
 
 
 def _peak_concurrency(records: Sequence[RequestRecord]) -> int:
-    # Ends sort before starts at the same instant: a request that ends as another starts is not overlap.
+    # Ends sort before starts at the same instant: a request that ends as another starts is not
+    # overlap.
     events = sorted(
         [(r.start_s, 1) for r in records] + [(r.start_s + r.e2el_s, -1) for r in records]
     )
@@ -210,14 +213,15 @@ def format_result(result: dict, config: BenchConfig) -> str:
 def _per_turn_table(per_turn: Sequence[dict]) -> list[str]:
     lines = [
         "{s:{c}^{n}}".format(s="Per turn of the conversations", n=50, c="-"),
-        f"{'turn':>4} {'done':>5} {'in tok':>7} {'TTFT p50/p99 ms':>16} {'KV MiB':>7} {'cached':>6}",
+        f"{'turn':>4} {'done':>5} {'in tok':>7} {'TTFT p50/p99 ms':>16} {'KV MiB':>7} "
+        f"{'cached':>6}",
     ]
     for t in per_turn:
         kv_mib = None if t["mean_kv_bytes"] is None else t["mean_kv_bytes"] / 2**20
         lines.append(
             f"{t['turn']:>4} {t['completed']:>5} {_fixed(t['mean_input_tokens'], 0):>7} "
-            f"{_fixed(t['p50_ttft_ms'], 1) + '/' + _fixed(t['p99_ttft_ms'], 1):>16} {_fixed(kv_mib, 2):>7} "
-            f"{_fixed(t['mean_cached_prompt_tokens'], 0):>6}"
+            f"{_fixed(t['p50_ttft_ms'], 1) + '/' + _fixed(t['p99_ttft_ms'], 1):>16} "
+            f"{_fixed(kv_mib, 2):>7} {_fixed(t['mean_cached_prompt_tokens'], 0):>6}"
         )
     lines.append("(in tok, KV MiB and cached: means per completed request; n/a: not reported)")
     return lines
@@ -238,8 +242,8 @@ def format_sweep(report: dict) -> str:
     for r in report["results"]:
         goodput = "n/a" if r["request_goodput"] is None else f"{r['request_goodput']:.2f}"
         lines.append(
-            f"{r['request_rate']:>8g} {r['completed']:>5} {r['failed']:>5} {r['request_throughput']:>7.2f} "
-            f"{goodput:>7} {r['output_throughput']:>9.1f} "
+            f"{r['request_rate']:>8g} {r['completed']:>5} {r['failed']:>5} "
+            f"{r['request_throughput']:>7.2f} {goodput:>7} {r['output_throughput']:>9.1f} "
             + " ".join(
                 f"{ms(r[f'p50_{m}_ms']) + '/' + ms(r[f'p99_{m}_ms']):>17}"
                 for m in ("ttft", "tpot", "itl")

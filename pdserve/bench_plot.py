@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-# (title, y unit, [(result key, label), ...]): the first series solid with circles, the second dashed with squares.
+# (title, y unit, [(result key, label), ...]): the first series solid with circles, the second
+# dashed with squares.
 _PANELS = [
     *[
         (title, "milliseconds", [(f"p50_{metric}_ms", "p50"), (f"p99_{metric}_ms", "p99")])
@@ -79,7 +80,8 @@ def plot_report(report: dict, path: str) -> None:
     config = report["config"]
     if conversation:
         workload = (
-            f"{config['users']} users x {config['turns']} turns, system {config['system_prompt_len']} / "
+            f"{config['users']} users x {config['turns']} turns, system "
+            f"{config['system_prompt_len']} / "
             f"turn {config['turn_input_len']} / output {config['random_output_len']} tokens"
         )
     else:

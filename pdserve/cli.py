@@ -97,7 +97,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="start (or join) a Ray cluster, the worker pools and the router; serve until interrupted",
+        help="start (or join) a Ray cluster, the worker pools and the router; serve until "
+        "interrupted",
     )
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
     p.add_argument(
@@ -108,7 +109,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--transport",
         default="ray",
         choices=["ray", "grpc", "rdt"],
-        help="how KV moves between workers (rdt: Ray Direct Transport; its workers are fixed at start)",
+        help="how KV moves between workers (rdt: Ray Direct Transport; its workers are fixed "
+        "at start)",
     )
     p.add_argument("--model", default="default")
     p.add_argument(
@@ -121,7 +123,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--device",
         default="auto",
         choices=["auto", "cpu", "cuda"],
-        help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where the cluster has GPUs, else cpu",
+        help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where the "
+        "cluster has GPUs, else cpu",
     )
     p.add_argument(
         "--enforce-eager",
@@ -139,14 +142,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--kv-host",
         default="auto",
         help="address decode workers bind for their token stream to the router and "
-        "their gRPC KV receiver; auto: 127.0.0.1 on a local node, each worker's node address on a cluster",
+        "their gRPC KV receiver; auto: 127.0.0.1 on a local node, each worker's node address on a "
+        "cluster",
     )
     p.add_argument(
         "--cpus-per-worker",
         type=float,
         default=None,
-        help="CPUs per worker (default: on a local node, its cores / max(4, workers), workers sharing "
-        "cores with one thread each; on a cluster 1); a worker computes with its whole CPUs as threads",
+        help="CPUs per worker (default: on a local node, its cores / max(4, workers), workers "
+        "sharing cores with one thread each; on a cluster 1); a worker computes with its whole "
+        "CPUs as threads",
     )
     p.add_argument(
         "--worker-start-timeout-s",
@@ -164,27 +169,31 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--pd-policy",
         default="auto",
         choices=["auto", "remote", "local"],
-        help="where a disaggregated request prefills: remote (the prefill pool), local (its decode worker, "
-        "interleaved with decoding), auto (local for short prompts or when the prefill queue is longer)",
+        help="where a disaggregated request prefills: remote (the prefill pool), local (its "
+        "decode worker, interleaved with decoding), auto (local for short prompts or when the "
+        "prefill queue is longer)",
     )
     p.add_argument(
         "--local-prefill-max-tokens",
         type=int,
         default=256,
-        help="auto: prompts with at most this many tokens not cached on the decode worker prefill there",
+        help="auto: prompts with at most this many tokens not cached on the decode worker "
+        "prefill there",
     )
     p.add_argument(
         "--pd-queue-margin-tokens",
         type=int,
         default=2048,
-        help="auto: prefill locally when the prefill pool's queue exceeds the decode worker's by this",
+        help="auto: prefill locally when the prefill pool's queue exceeds the decode worker's "
+        "by this",
     )
     p.add_argument(
         "--routing",
         default="prefix",
         choices=["prefix", "load"],
-        help="which worker of a pool takes a request: prefix (weighs the prompt prefix each worker's KV "
-        "cache holds, from its KV events, against its load) or load (load alone; whole prompts shipped)",
+        help="which worker of a pool takes a request: prefix (weighs the prompt prefix each "
+        "worker's KV cache holds, from its KV events, against its load) or load (load alone; "
+        "whole prompts shipped)",
     )
     p.add_argument(
         "--prefix-weight",
@@ -196,20 +205,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--decode-stream-tokens",
         type=int,
         default=64,
-        help="prefix routing: a decode worker's running request weighs like this many queued prompt tokens",
+        help="prefix routing: a decode worker's running request weighs like this many queued "
+        "prompt tokens",
     )
     p.add_argument(
         "--lend-cores",
         default="all",
         choices=["all", "prefill", "off"],
-        help="which engine steps may borrow the cores of a worker on the same node that has nothing to "
-        "compute: all, prefill (only steps computing prompt tokens), off",
+        help="which engine steps may borrow the cores of a worker on the same node that has "
+        "nothing to compute: all, prefill (only steps computing prompt tokens), off",
     )
     p.add_argument(
         "--decode-interleave-tokens",
         type=int,
         default=256,
-        help="prompt tokens a decode/colocated worker prefills between two decode steps (0: prefill first)",
+        help="prompt tokens a decode/colocated worker prefills between two decode steps (0: "
+        "prefill first)",
     )
     p.add_argument(
         "--autoscale",
@@ -224,8 +235,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--autoscale-plan",
         default=None,
         metavar="FILE",
-        help="with --autoscale plan: `pdserve plan --json` output (one plan, or a JSON list of plans "
-        "for several rates)",
+        help="with --autoscale plan: `pdserve plan --json` output (one plan, or a JSON list of "
+        "plans for several rates)",
     )
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=4)
@@ -302,9 +313,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_SLO,
         metavar="ttft:MS,tpot:MS",
         help="latency targets, in ms as vLLM's --goodput takes them: completed requests are judged "
-        "against them (pdserve_slo_* metrics, pdserve status) and decoding workers lend their cores "
-        f"to prefills within the TPOT target; default {DEFAULT_SLO}: {FAST_SLO} where workers "
-        f"serve bf16, {FP32_CPU_SLO} for fp32 on CPUs",
+        "against them (pdserve_slo_* metrics, pdserve status) and decoding workers lend their "
+        f"cores to prefills within the TPOT target; default {DEFAULT_SLO}: {FAST_SLO} where "
+        f"workers serve bf16, {FP32_CPU_SLO} for fp32 on CPUs",
     )
     p.add_argument(
         "--log-format",
@@ -370,7 +381,8 @@ def _serve_config(args: argparse.Namespace, **overrides):
             planned = {size.cpus_per_worker for size in plan.sizes}
             if planned != {args.cpus_per_worker}:
                 raise ValueError(
-                    f"--autoscale-plan sizes workers of {'/'.join(f'{c:g}' for c in sorted(planned))} "
+                    "--autoscale-plan sizes workers of "
+                    f"{'/'.join(f'{c:g}' for c in sorted(planned))} "
                     f"CPUs; this system's are --cpus-per-worker {args.cpus_per_worker:g}"
                 )
         fields["autoscale"] = AutoscaleConfig(
@@ -502,21 +514,24 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{stats.mode}, {stats.transport} transport, model {stats.model}: "
-        f"{stats.requests_in_flight} in flight, {stats.requests_waiting_for_kv} waiting for KV room, "
-        f"{stats.requests_completed} completed, {stats.requests_failed} failed; recent TTFT p50 "
-        f"{stats.recent_ttft_p50_s * 1e3:.0f} ms, TPOT p50 {stats.recent_tpot_p50_s * 1e3:.1f} ms; context "
-        f"{stats.max_context_tokens} tokens (model {stats.model_context_tokens})"
+        f"{stats.requests_in_flight} in flight, {stats.requests_waiting_for_kv} waiting for KV "
+        f"room, {stats.requests_completed} completed, {stats.requests_failed} failed; recent TTFT "
+        f"p50 {stats.recent_ttft_p50_s * 1e3:.0f} ms, TPOT p50 "
+        f"{stats.recent_tpot_p50_s * 1e3:.1f} ms; context {stats.max_context_tokens} tokens "
+        f"(model {stats.model_context_tokens})"
     )
     if stats.slo:
         attainment = f" ({stats.slo_met / stats.slo_finished:.1%})" if stats.slo_finished else ""
         print(
-            f"  SLO {stats.slo}: {stats.slo_met} of {stats.slo_finished} completed requests met it{attainment}"
+            f"  SLO {stats.slo}: {stats.slo_met} of {stats.slo_finished} completed requests met "
+            f"it{attainment}"
         )
     for w in stats.workers:
         print(
-            f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  {w.cpus:g} CPU, {w.threads} thread(s)  "
-            f"running {w.running_requests}  waiting {w.waiting_requests}  KV free {w.kv_blocks_free}/"
-            f"{w.kv_blocks_total} ({w.kv_capacity_tokens} tokens)  served {w.requests_served}"
+            f"  {w.worker_id:<14} {w.role:<10} {w.state:<8} node {w.node}  {w.cpus:g} CPU, "
+            f"{w.threads} thread(s)  running {w.running_requests}  waiting {w.waiting_requests}  "
+            f"KV free {w.kv_blocks_free}/{w.kv_blocks_total} ({w.kv_capacity_tokens} tokens)  "
+            f"served {w.requests_served}"
         )
     for line in stats.autoscaler_decisions:
         print(f"  autoscaler: {line}")
@@ -561,7 +576,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--device",
         default="auto",
         choices=["auto", "cpu", "cuda"],
-        help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where this node has GPUs, else cpu",
+        help="where workers run (cuda: each asks Ray for one GPU); auto: cuda where this node "
+        "has GPUs, else cpu",
     )
     p.set_defaults(handler=_demo)
 

@@ -19,8 +19,8 @@ def run_demo(transport: str, dtype: str, device: str = "auto") -> int:
     from pdserve.client import PdserveClient
     from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
-    # Every chat through the prefill pool and a KV handoff (the demo shows disaggregation; `--pd-policy
-    # auto` would prefill these short prompts on the decode worker)
+    # Every chat through the prefill pool and a KV handoff (the demo shows disaggregation;
+    # `--pd-policy auto` would prefill these short prompts on the decode worker)
     config = ServeConfig(
         transport=transport, dtype=dtype, device=device, port=0, pd_policy="remote"
     )
@@ -60,9 +60,10 @@ def run_demo(transport: str, dtype: str, device: str = "auto") -> int:
             if index:
                 print(f"\n> {prompt}\n{text}")
             print(
-                f"  [{last.usage.completion_tokens} tokens, finish {last.finish_reason}; TTFT {t.ttft_s * 1e3:.0f} ms, "
-                f"TPOT {t.tpot_s * 1e3:.1f} ms, KV {t.kv_bytes / 1e6:.2f} MB moved in {t.kv_transfer_s * 1e3:.1f} ms; "
-                f"prefill on {last.prefill_worker}, decode on {last.decode_worker}]"
+                f"  [{last.usage.completion_tokens} tokens, finish {last.finish_reason}; TTFT "
+                f"{t.ttft_s * 1e3:.0f} ms, TPOT {t.tpot_s * 1e3:.1f} ms, KV "
+                f"{t.kv_bytes / 1e6:.2f} MB moved in {t.kv_transfer_s * 1e3:.1f} ms; prefill on "
+                f"{last.prefill_worker}, decode on {last.decode_worker}]"
             )
     finally:
         asyncio.run_coroutine_threadsafe(system.stop(), loop).result(timeout=60)

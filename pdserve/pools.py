@@ -1,9 +1,10 @@
 """Creating, growing and shrinking the worker pools while serving.
 
-New workers join routing only once they answered `info` (their engine is loaded). Removed workers are
-drained: the router stops sending them requests, the ones they hold run to completion, then the actor
-is stopped. On a cluster whose nodes carry the custom resources `pdserve_prefill` / `pdserve_decode`
-(cluster.yaml), each pool's actors request theirs, so they land only on their own node type.
+New workers join routing only once they answered `info` (their engine is loaded). Removed workers
+are drained: the router stops sending them requests, the ones they hold run to completion, then the
+actor is stopped. On a cluster whose nodes carry the custom resources `pdserve_prefill` /
+`pdserve_decode` (cluster.yaml), each pool's actors request theirs, so they land only on their own
+node type.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ _DRAIN_POLL_S = 0.1
 
 
 def _free_summary(free: dict[str, float]) -> str:
-    """What is free, CPUs always named: Ray leaves a resource out of `available_resources` once none is free."""
+    """What is free, CPUs always named: Ray leaves a resource out of `available_resources` once none
+    is free."""
     names = sorted({"CPU", *(name for name in free if name.startswith(("GPU", "pdserve")))})
     return ", ".join(f"{free.get(name, 0.0):g} {name}" for name in names)
 
@@ -66,8 +68,8 @@ class PoolManager:
         forced_dtype = os.environ.get(AUTO_DTYPE_ENV)
         if forced_dtype:  # what "auto" resolves to, on every node the workers land on
             options["runtime_env"] = {"env_vars": {AUTO_DTYPE_ENV: forced_dtype}}
-        # One engine per GPU; Ray sets the actor's CUDA_VISIBLE_DEVICES. Under "auto" a worker without a
-        # GPU of its own sees none (Ray hides them) and resolves to cpu.
+        # One engine per GPU; Ray sets the actor's CUDA_VISIBLE_DEVICES. Under "auto" a worker
+        # without a GPU of its own sees none (Ray hides them) and resolves to cpu.
         if self.config.device == "cuda" or (
             self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
         ):
@@ -136,8 +138,9 @@ class PoolManager:
             for actor in actors:
                 ray.kill(actor)
             raise WorkerStartError(
-                f"{role}: {count} new worker(s) were not ready within {self.config.worker_start_timeout_s:.0f} s "
-                f"(each needs {options}; free on the cluster now: {_free_summary(ray.available_resources())})"
+                f"{role}: {count} new worker(s) were not ready within "
+                f"{self.config.worker_start_timeout_s:.0f} s (each needs {options}; free on the "
+                f"cluster now: {_free_summary(ray.available_resources())})"
             ) from None
         handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
         self._check_agreement(role, actors, infos)
@@ -171,7 +174,8 @@ class PoolManager:
 
     async def form_kv_group(self) -> None:
         """--transport rdt, once every worker of the start is ready: the collective group Ray Direct
-        Transport moves KV within (kvtransfer/rdt_transport.py); nccl where workers hold a GPU, else gloo."""
+        Transport moves KV within (kvtransfer/rdt_transport.py); nccl where workers hold a GPU, else
+        gloo."""
         from kvtransfer.rdt_transport import form_group
 
         backend = "nccl" if "num_gpus" in self._actor_options(self.decode_role) else "gloo"
@@ -187,8 +191,8 @@ class PoolManager:
         )
 
     def _check_agreement(self, role: str, actors: list, infos: list) -> None:
-        """Every worker of a system serves one dtype ("auto" resolves per node): a worker that differs
-        would fail each KV handoff's layout check, so it never joins."""
+        """Every worker of a system serves one dtype ("auto" resolves per node): a worker that
+        differs would fail each KV handoff's layout check, so it never joins."""
         import ray
 
         known = [
@@ -218,10 +222,11 @@ class PoolManager:
         short = {name: need for name, need in needs.items() if free.get(name, 0.0) + 1e-9 < need}
         if short:
             raise WorkerStartError(
-                f"{role}: {count} more worker(s) need {', '.join(f'{v:g} {k}' for k, v in needs.items())}; this "
-                f"local Ray node has {_free_summary(free)} free of {ray.cluster_resources().get('CPU', 0.0):g} CPU "
-                f"(each worker holds {options['num_cpus']:g}). Serve with a smaller --cpus-per-worker, or on a "
-                f"cluster (--address)"
+                f"{role}: {count} more worker(s) need "
+                f"{', '.join(f'{v:g} {k}' for k, v in needs.items())}; this local Ray node has "
+                f"{_free_summary(free)} free of {ray.cluster_resources().get('CPU', 0.0):g} CPU "
+                f"(each worker holds {options['num_cpus']:g}). Serve with a smaller "
+                "--cpus-per-worker, or on a cluster (--address)"
             )
 
     async def scale(
@@ -270,9 +275,10 @@ class PoolManager:
 
     async def heal(self, interval_s: float = 2.0) -> None:
         """Forever: finds workers that died (the router marks those it sees die; a cheap `load` call
-        finds idle ones) and replaces each with a fresh worker of its role. A worker heard from within
-        the interval (a call answered, tokens streamed) is not asked: each Ray call costs the router
-        about 1 ms of CPU here, and a busy decode worker's token stream breaks at once if it dies."""
+        finds idle ones) and replaces each with a fresh worker of its role. A worker heard from
+        within the interval (a call answered, tokens streamed) is not asked: each Ray call costs the
+        router about 1 ms of CPU here, and a busy decode worker's token stream breaks at once if it
+        dies."""
         import ray
 
         from router.failures import is_actor_death
@@ -358,7 +364,10 @@ class AutoscaleLoop:
                 for decision in self.policy.decide(time.monotonic(), signals):
                     if decision.pool == "prefill" and self.pools.config.mode != "disaggregated":
                         continue
-                    line = f"{time.strftime('%H:%M:%S')} {decision.pool} -> {decision.size}: {decision.reason}"
+                    line = (
+                        f"{time.strftime('%H:%M:%S')} {decision.pool} -> {decision.size}: "
+                        f"{decision.reason}"
+                    )
                     log.info("autoscaler: %s", line)
                     self.decisions = (self.decisions + [line])[-50:]
                     if decision.pool == "prefill":

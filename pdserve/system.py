@@ -1,5 +1,6 @@
-"""The whole topology in one builder: a Ray cluster (started or joined), the prefill and decode pools,
-and the router with its gRPC server. `pdserve serve`, the demo and the integration tests all use it.
+"""The whole topology in one builder: a Ray cluster (started or joined), the prefill and decode
+pools, and the router with its gRPC server. `pdserve serve`, the demo and the integration tests all
+use it.
 
 The driver process hosts the router (no torch is imported here); each worker is a Ray actor with its
 own torch threads sized to the CPUs it was granted.
@@ -42,16 +43,17 @@ class ServeConfig:
     transport: str = "ray"
     num_prefill: int = 1
     num_decode: int = 1
-    # CPUs Ray accounts to each worker; None: on a local node a share of its cores that leaves room to
-    # scale up (`worker_cpus`), on a cluster 1. A worker computes with max(1, whole CPUs) torch threads.
+    # CPUs Ray accounts to each worker; None: on a local node a share of its cores that leaves room
+    # to scale up (`worker_cpus`), on a cluster 1. A worker computes with max(1, whole CPUs) torch
+    # threads.
     cpus_per_worker: Optional[float] = None
     # a new worker not ready by then (no room on the cluster?) is given up
     worker_start_timeout_s: float = 300.0
     address: str = "local"  # "local": start a Ray node here; "auto" or host:port: join that cluster
     host: str = "127.0.0.1"
     port: int = 50051
-    # Where decode workers bind their token stream to the router and their gRPC KV receiver: "auto" is
-    # 127.0.0.1 on a local node and each worker's node address on a cluster.
+    # Where decode workers bind their token stream to the router and their gRPC KV receiver: "auto"
+    # is 127.0.0.1 on a local node and each worker's node address on a cluster.
     kv_host: str = "auto"
     # per worker; None: a tenth of its node's available memory (<= 4 GiB)
     kv_cache_bytes: Optional[int] = None
@@ -61,7 +63,8 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # Decode and colocated workers prefill at most this many prompt tokens between two decode steps
-    # while streams are decoding (engine.scheduler); None: prefill-first, streams wait for whole prompts.
+    # while streams are decoding (engine.scheduler); None: prefill-first, streams wait for whole
+    # prompts.
     decode_interleave_tokens: Optional[int] = 256
     # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
     pd_policy: str = "auto"
@@ -101,15 +104,17 @@ class ServeConfig:
     max_in_flight: int = 1024  # requests the router holds at once; beyond: RESOURCE_EXHAUSTED / 429
     max_waiting_for_kv: int = 256  # of those, queued for KV room on a decode worker
     stream_interval: int = 1  # decode tokens per streamed message (router.router.RouterConfig)
-    # "ttft:MS,tpot:MS": what completed requests are judged against and decode workers lend cores within;
-    # "auto": ttft:1000,tpot:50 where the workers serve bf16, ttft:4000,tpot:200 for fp32 CPUs (router/slo.py)
+    # "ttft:MS,tpot:MS": what completed requests are judged against and decode workers lend cores
+    # within; "auto": ttft:1000,tpot:50 where the workers serve bf16, ttft:4000,tpot:200 for fp32
+    # CPUs (router/slo.py)
     slo: str = DEFAULT_SLO
 
     @property
     def worker_cpus(self) -> float:
-        """`cpus_per_worker` resolved. On a local node (which cannot grow) the default gives each worker a
-        share of the cores sized for at least 4 workers, so the README's scale-up from 1 prefill + 1
-        decode works on 2 cores (workers then share cores, one thread each); a real refusal names the numbers."""
+        """`cpus_per_worker` resolved. On a local node (which cannot grow) the default gives each
+        worker a share of the cores sized for at least 4 workers, so the README's scale-up from 1
+        prefill + 1 decode works on 2 cores (workers then share cores, one thread each); a real
+        refusal names the numbers."""
         if self.cpus_per_worker is not None:
             return self.cpus_per_worker
         if self.address != "local":
@@ -253,8 +258,8 @@ class ServeConfig:
 
 
 def _uvloop():
-    """uvloop, where it is installed (the router's CPU per streamed token is about 13% lower on its loop,
-    docs/benchmarks.md); None elsewhere, and asyncio's own loop serves."""
+    """uvloop, where it is installed (the router's CPU per streamed token is about 13% lower on its
+    loop, docs/benchmarks.md); None elsewhere, and asyncio's own loop serves."""
     try:
         import uvloop
     except ImportError:
@@ -276,12 +281,13 @@ def run_router_loop(main) -> None:
 
 def init_ray(config: ServeConfig) -> None:
     if config.address == "local":
-        # Every server on loopback (docs/architecture.md, Serving). Ray reads this when it is imported,
-        # so it must be set before the first `import ray` in this process (tests/conftest.py sets it
-        # for the test run).
+        # Every server on loopback (docs/architecture.md, Serving). Ray reads this when it is
+        # imported, so it must be set before the first `import ray` in this process
+        # (tests/conftest.py sets it for the test run).
         if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
             log.warning(
-                "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set: its servers may not stay on loopback"
+                "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set: its servers "
+                "may not stay on loopback"
             )
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
@@ -308,8 +314,9 @@ def init_ray(config: ServeConfig) -> None:
                 or os.environ["RAY_preallocate_plasma_memory"] == "0"
             ):
                 raise
-            # The raylet gives its object store 10 s to open its socket, and preallocating the store's
-            # pages can take longer where memory pages in slowly (seen: 9.3 s for 512 MB on this VM).
+            # The raylet gives its object store 10 s to open its socket, and preallocating the
+            # store's pages can take longer where memory pages in slowly (seen: 9.3 s for 512 MB on
+            # this VM).
             log.warning(
                 "Ray's local node did not start (%s): starting it again without preallocating the "
                 "object store",
@@ -338,8 +345,8 @@ class System:
     ready: bool = False
 
     def ready_line(self) -> str:
-        """What a user needs to know once serving, as vLLM's start log says it: where, the dtype and why,
-        the context served, and each pool's threads and KV tokens per worker."""
+        """What a user needs to know once serving, as vLLM's start log says it: where, the dtype and
+        why, the context served, and each pool's threads and KV tokens per worker."""
         config, router = self.config, self.router
         http = f", HTTP port {self.http_port}" if self.http_port else ""
         pools = []
@@ -354,14 +361,15 @@ class System:
                 )
         info = (router.decode_pool.workers or router.prefill_pool.workers)[0].info
         return (
-            f"pdserve ready on {config.host}: gRPC port {self.port}{http}; {config.mode}, {config.transport} "
-            f"transport; {'; '.join(pools)}; dtype {info.dtype} ({info.dtype_reason}); context "
-            f"{self.limits.max_context_tokens} tokens (model {self.limits.model_context_tokens}); "
-            f"SLO {router.config.slo}"
+            f"pdserve ready on {config.host}: gRPC port {self.port}{http}; {config.mode}, "
+            f"{config.transport} transport; {'; '.join(pools)}; dtype {info.dtype} "
+            f"({info.dtype_reason}); context {self.limits.max_context_tokens} tokens (model "
+            f"{self.limits.model_context_tokens}); SLO {router.config.slo}"
         )
 
     async def worker_loads(self) -> list:
-        """(handle, WorkerLoad or the exception it raised) for every worker of both pools, asked at once."""
+        """(handle, WorkerLoad or the exception it raised) for every worker of both pools, asked at
+        once."""
         workers = [
             w for pool in (self.router.prefill_pool, self.router.decode_pool) for w in pool.workers
         ]
@@ -443,9 +451,9 @@ class PortInUseError(OSError):
 
 
 def check_ports_free(config: ServeConfig) -> None:
-    """Binds each fixed port once and lets it go, so a taken one fails in milliseconds, before Ray and
-    the workers start (port 0 picks a free one later). No SO_REUSEPORT here: gRPC sets it on its own
-    sockets, and a second server would otherwise share a running one's port silently."""
+    """Binds each fixed port once and lets it go, so a taken one fails in milliseconds, before Ray
+    and the workers start (port 0 picks a free one later). No SO_REUSEPORT here: gRPC sets it on its
+    own sockets, and a second server would otherwise share a running one's port silently."""
     import socket
 
     for name, port in (("gRPC", config.port), ("HTTP", config.http_port)):
@@ -503,7 +511,8 @@ async def start_system(config: ServeConfig) -> System:
     )
     if config.transport == "rdt" and config.mode == "disaggregated":
         await pools.form_kv_group()
-    # The context served is what every worker can hold: a prompt a worker cannot hold is refused at once.
+    # The context served is what every worker can hold: a prompt a worker cannot hold is refused at
+    # once.
     infos = [
         worker.info for pool in (router.prefill_pool, router.decode_pool) for worker in pool.workers
     ]
@@ -527,8 +536,9 @@ async def start_system(config: ServeConfig) -> System:
     if config.autoscale is not None:
         system.autoscaler = AutoscaleLoop(pools, config.autoscale)
         system.autoscaler.start()
-    # What start-up allocated (tokenizer, Ray, gRPC, protobuf) lives as long as the process: frozen, it
-    # is out of the collector's full passes (38 ms each with Ray and gRPC loaded, in the middle of streams).
+    # What start-up allocated (tokenizer, Ray, gRPC, protobuf) lives as long as the process: frozen,
+    # it is out of the collector's full passes (38 ms each with Ray and gRPC loaded, in the middle
+    # of streams).
     gc.collect()
     gc.freeze()
     await mark_serving(system.health)
