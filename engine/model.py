@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.fused_ops import fused_ops_for
+from engine.prefill_attention import load_amx_prefill
 
 if TYPE_CHECKING:
     from engine.paged_attention import PagedDecodeAttention
@@ -295,6 +296,13 @@ class Attention(nn.Module):
         out = torch.lerp(own[0].transpose(0, 1), context, context_share.to(q.dtype).unsqueeze(-1))
         return out.reshape(n, c.q_size)
 
+    def _amx_flash_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The same as `_blocked_attention`, in one call of the AMX flash-attention C kernel
+        (engine/prefill_attention.py), context or none."""
+        return load_amx_prefill()(q, k, v, self.scale)
+
 
 # bf16 prompts on CPUs without AMX run attention as blocked matmuls instead of SDPA's CPU flash kernel:
 # on an AVX512-BF16 AMD EPYC a whole 512-token prefill is 15% faster on one core (1024: 17%, 2000: 11%;
@@ -306,6 +314,15 @@ class Attention(nn.Module):
 # matmuls without AMX, and with AMX the flash kernel over its own tokens merged with the context: 512
 # tokens after 16, 30 layers, 84-88 ms against 159-218 blocked on one core, 55 against 85 on two.
 # fp32 keeps SDPA, the path held token-identical to HF.
+# With AMX and head_dim 64, bf16 prompts take the AMX flash-attention C kernel instead, context or
+# none (engine/prefill_attention.py). Intel Xeon (AMX_BF16, get_cpu_capability AVX512), torch 2.13,
+# 9/3 heads, 30 layers, median of 30, ms, SDPA flash (after 16 cached: flash after context) / AMX
+# kernel, `python -m benchmarks.prefill_attention_bench --tokens 128 512 1024 2048`:
+#   1 thread:  512 after 0: 48.8 / 22.4, after 16: 70.9 / 24.2; 1024: 147.5 / 81.1; 2048: 476 / 312
+#   2 threads: 512 after 0: 27.0 / 13.3, after 16: 46.6 / 15.1; 1024: 79.5 / 45.0; 2048: 250 / 162
+#   128 after 512 cached: 57.5 / 13.1 (1 thread), 93.7 / 8.1 (2)
+# A whole 542-token prefill, 16 of them cached (`... --engine --tokens 526 --cached 16`, median of
+# 6): 281 -> 211 ms on one thread, 181 -> 143 ms on two. docs/benchmarks.md has the rest.
 _PREFILL_BLOCK = 128
 _AMX = torch.cpu._is_amx_tile_supported()
 
@@ -322,6 +339,9 @@ def _prefill_kernel(q: torch.Tensor, num_cached_tokens: int) -> Optional[Callabl
         return None
     if not _AMX:
         return Attention._blocked_attention
+    amx = load_amx_prefill()
+    if amx is not None and amx.supports(q):
+        return Attention._amx_flash_attention
     return Attention._flash_after_context_attention if num_cached_tokens else None
 
 

@@ -1,0 +1,138 @@
+"""The AMX flash-attention prefill kernel (engine/csrc/prefill_attention_amx.c) against a float64
+reference, and the choice of prefill attention on CPUs with and without AMX."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import disk_cache, model, prefill_attention
+from engine.config import ModelConfig
+from engine.model import Attention, _prefill_kernel
+
+AMX = torch.cpu._is_amx_tile_supported()
+
+
+def _attention(num_heads: int, num_kv_heads: int, head_dim: int) -> Attention:
+    return Attention(
+        ModelConfig(
+            name="t",
+            vocab_size=8,
+            hidden_size=num_heads * head_dim,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_context_tokens=4096,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+        )
+    )
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    n, num_cached = q.shape[0], k.shape[0] - q.shape[0]
+    visible = torch.arange(num_cached + n).unsqueeze(0) <= torch.arange(
+        num_cached, num_cached + n
+    ).unsqueeze(1)
+    return (
+        torch.nn.functional.scaled_dot_product_attention(
+            *(t.double().transpose(0, 1) for t in (q, k, v)),
+            attn_mask=visible,
+            enable_gqa=True,
+            scale=q.shape[-1] ** -0.5,
+        )
+        .transpose(0, 1)
+        .reshape(n, -1)
+    )
+
+
+# new tokens, cached context: one row, a partial 16-row query block, whole 64-key blocks and not
+# (the last key block part padding), a context longer than the prompt
+_CASES = [(1, 0), (15, 0), (64, 0), (100, 0), (128, 0), (300, 0), (542, 16), (1, 16), (77, 200)]
+_CASES += [(128, 512), (257, 31)]
+
+
+@pytest.mark.parametrize("num_tokens,num_cached", _CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_bf16_prefill_attention_matches_float64(num_tokens, num_cached, num_heads, num_kv_heads):
+    """Whichever kernel this CPU picks for a bf16 prompt (on an AMX CPU, the AMX kernel), with q, k
+    and v as the model hands them over: views of the fused qkv projection, rows apart."""
+    head_dim = 64
+    g = torch.Generator().manual_seed(num_tokens * 1000 + num_cached)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_cached + num_tokens, width, generator=g).bfloat16()
+    heads = qkv.view(num_cached + num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+    q = heads[num_cached:, :num_heads]
+    k = heads[:, num_heads : num_heads + num_kv_heads]
+    v = heads[:, num_heads + num_kv_heads :]
+    kernel = _prefill_kernel(q, num_cached)
+    if AMX:
+        assert kernel is Attention._amx_flash_attention
+    else:
+        assert kernel is Attention._blocked_attention
+    got = kernel(_attention(num_heads, num_kv_heads, head_dim), q, k, v)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, num_heads * head_dim)
+    torch.testing.assert_close(got.double(), _reference(q, k, v), atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(
+    not AMX, reason="the kernel itself runs only on AMX CPUs (fallbacks tested below)"
+)
+def test_a_wrong_mask_would_be_caught():
+    """The tolerance is tight enough: attention over every key, future ones too, differs well
+    beyond it."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(100, 9, 64, generator=g).bfloat16()
+    k = torch.randn(116, 3, 64, generator=g).bfloat16()
+    v = torch.randn(116, 3, 64, generator=g).bfloat16()
+    got = prefill_attention.load_amx_prefill()(q, k, v, 64**-0.5).double()
+    torch.testing.assert_close(got, _reference(q, k, v), atol=2e-2, rtol=0)
+    every_key = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(0, 1) for t in (q, k, v)), enable_gqa=True, scale=64**-0.5
+    )
+    assert (got - every_key.transpose(0, 1).reshape(100, -1)).abs().max() > 0.1
+
+
+def test_the_kernel_loads_exactly_where_the_cpu_has_amx(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
+    prefill_attention.load_amx_prefill.cache_clear()
+    try:
+        loaded = prefill_attention.load_amx_prefill()
+        assert (loaded is not None) == AMX
+        # a compiler that fails leaves the torch path, with a warning (on AMX CPUs)
+        monkeypatch.setenv("CC", "false")
+        prefill_attention.load_amx_prefill.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="engine.prefill_attention"):
+            assert prefill_attention.load_amx_prefill() is None
+        assert ("using the torch path" in caplog.text) == AMX
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv(prefill_attention.DISABLE_ENV, "1")
+        prefill_attention.load_amx_prefill.cache_clear()
+        assert prefill_attention.load_amx_prefill() is None
+    finally:
+        prefill_attention.load_amx_prefill.cache_clear()
+
+
+@pytest.mark.parametrize("amx_cpu", [True, False])
+def test_without_the_kernel_prefill_keeps_the_torch_path(monkeypatch, amx_cpu):
+    """No kernel (no AMX, no compiler, switched off): the choice of before it, on either kind of
+    CPU; other dtypes and head sizes never take it."""
+    monkeypatch.setattr(model, "_AMX", amx_cpu)
+    monkeypatch.setattr(model, "load_amx_prefill", lambda: None)
+    q = torch.zeros(8, 9, 64, dtype=torch.bfloat16)
+    if amx_cpu:
+        assert _prefill_kernel(q, 0) is None  # SDPA's causal flash kernel
+        assert _prefill_kernel(q, 16) is Attention._flash_after_context_attention
+    else:
+        assert _prefill_kernel(q, 0) is _prefill_kernel(q, 16) is Attention._blocked_attention
+    monkeypatch.setattr(model, "_AMX", True)
+    monkeypatch.setattr(model, "load_amx_prefill", lambda: prefill_attention.AmxPrefillAttention)
+    assert _prefill_kernel(q, 16) is Attention._amx_flash_attention
+    assert _prefill_kernel(q.float(), 16) is None
+    assert _prefill_kernel(torch.zeros(8, 9, 128, dtype=torch.bfloat16), 16) is not (
+        Attention._amx_flash_attention
+    )
