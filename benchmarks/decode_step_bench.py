@@ -5,14 +5,15 @@ Fills a batch of sequences with random prompts of a fixed context length, then t
 sides share the same machine state. `--compare kernel` (the default): the paged decode-attention
 kernel against the torch path (gather + SDPA); `--compare packing`: fp32 decode batches on the
 oneDNN-packed weights (engine/cpu_packing.py, AVX2 machines) against the transposed ones alone;
-`--compare mapped` (fp32): the transposed weights memory-mapped from the disk cache, as workers serve
-them, against copies of them in the process's own memory; `--compare logprobs`: every sequence asking
-for logprobs with `--top-logprobs` alternatives (20, the most a request may ask) against none asking;
-`--compare guided`: every sequence under a JSON schema's grammar (engine/guided.py: its token mask
-computed and applied at each step; a fresh matcher each round, so answers stay mid-JSON) against none,
-and the mask computation's own time per step.
+`--compare mapped` (fp32): the transposed weights memory-mapped from the disk cache, as workers
+serve them, against copies of them in the process's own memory; `--compare logprobs`: every sequence
+asking for logprobs with `--top-logprobs` alternatives (20, the most a request may ask) against none
+asking; `--compare guided`: every sequence under a JSON schema's grammar (engine/guided.py: its
+token mask computed and applied at each step; a fresh matcher each round, so answers stay mid-JSON)
+against none, and the mask computation's own time per step.
 
-    .venv/bin/python -m benchmarks.decode_step_bench [--threads 1] [--context 540] [--batches 1,8,16]
+    .venv/bin/python -m benchmarks.decode_step_bench [--threads 1] [--context 540]
+        [--batches 1,8,16]
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     max_tokens = 2 + args.rounds * len(paths) * args.steps
     print(
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, {args.dtype}, "
-        f"{args.context}-token contexts; median decode step:"
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, "
+        f"{args.dtype}, {args.context}-token contexts; median decode step:"
     )
     for batch in (int(b) for b in args.batches.split(",")):
         ids = [f"b{batch}-{i}" for i in range(batch)]
@@ -169,8 +170,8 @@ def main() -> None:
             mask_ms = sorted(mask_s)[len(mask_s) // 2] * 1e3
             change += f", mask computation {mask_ms:.2f} ms ({mask_ms / medians[before]:.1%})"
         print(
-            f"  batch {batch:3d}: {before} {medians[before]:7.1f} ms, {after} {medians[after]:7.1f} ms, "
-            f"{medians[before] / medians[after]:.2f}x{change}"
+            f"  batch {batch:3d}: {before} {medians[before]:7.1f} ms, {after} "
+            f"{medians[after]:7.1f} ms, {medians[before] / medians[after]:.2f}x{change}"
         )
         for request_id in ids:
             engine.abort(request_id)

@@ -1,16 +1,18 @@
 """Our engine against HF transformers (the reference), side by side in one run on this machine.
 
-    .venv/bin/python -m benchmarks.engine_bench [--dtypes bfloat16,float32] [--repeats 3] [--json out.json]
+    .venv/bin/python -m benchmarks.engine_bench [--dtypes bfloat16,float32] [--repeats 3]
+        [--json out.json]
     .venv/bin/python -m benchmarks.engine_bench --quick      # smoke test: 1 repeat, bfloat16 only
 
 Per dtype, both engines hold the same weights (the default GGUF, dequantized) and run with
-`torch.set_num_threads(2)`. Each repeat draws fresh random prompt ids (fixed seed), so nothing can be
-reused from a cache, and runs every measurement on both engines, alternating which goes first:
+`torch.set_num_threads(2)`. Each repeat draws fresh random prompt ids (fixed seed), so nothing can
+be reused from a cache, and runs every measurement on both engines, alternating which goes first:
 
   TTFT        a single fresh request of 128 / 512 / 1024 tokens until its first token.
   TPOT        one stream, 128-token prompt, 128 greedy output tokens ignoring EOS:
               (e2e - ttft) / (n_out - 1), both taken inside the same request.
-  throughput  16 concurrent requests of 256 -> 128 tokens (greedy, ignoring EOS): output tokens / wall.
+  throughput  16 concurrent requests of 256 -> 128 tokens (greedy, ignoring EOS): output tokens /
+  wall.
 
 How HF is driven: TTFT is one `model(ids, logits_to_keep=1)` forward plus argmax (what `generate`
 does for its first token); TPOT is one `generate(max_new_tokens=min_new_tokens=128)` call whose
@@ -162,7 +164,8 @@ class HFReference:
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        # transformers' dense reading of the GGUF file (dequantized, converted once), in `dtype`, like ours
+        # transformers' dense reading of the GGUF file (dequantized, converted once), in `dtype`,
+        # like ours
         self.model = hf_model(default_model_path(), parse_dtype(dtype))
         self.pad_token_id = self.model.generation_config.eos_token_id
         if isinstance(self.pad_token_id, list):
@@ -234,8 +237,8 @@ def machine_busy_s() -> Optional[float]:
 def measure_once(engine, rng_seed: int) -> tuple[dict[str, float], list[int]]:
     """One sample of every metric; also the first greedy token of each TTFT prompt.
 
-    `others_cpu_share` is the fraction of the machine's CPU time that other processes used meanwhile:
-    on a shared machine it says how far to trust the sample.
+    `others_cpu_share` is the fraction of the machine's CPU time that other processes used
+    meanwhile: on a shared machine it says how far to trust the sample.
     """
     start_wall_s, start_own_s, start_busy_s = (
         time.perf_counter(),
@@ -254,7 +257,8 @@ def measure_once(engine, rng_seed: int) -> tuple[dict[str, float], list[int]]:
     timing = engine.stream(random_prompts(rng, 1, STREAM_PROMPT_TOKENS)[0], STREAM_OUTPUT_TOKENS)
     if timing.num_output_tokens != STREAM_OUTPUT_TOKENS:
         raise RuntimeError(
-            f"{engine.name} produced {timing.num_output_tokens} tokens, asked for {STREAM_OUTPUT_TOKENS}"
+            f"{engine.name} produced {timing.num_output_tokens} tokens, asked for "
+            f"{STREAM_OUTPUT_TOKENS}"
         )
     sample["tpot_ms"] = timing.tpot_s * 1e3
     gc.collect()
@@ -263,7 +267,8 @@ def measure_once(engine, rng_seed: int) -> tuple[dict[str, float], list[int]]:
     )
     if num_tokens != BATCH_SIZE * BATCH_OUTPUT_TOKENS:
         raise RuntimeError(
-            f"{engine.name} produced {num_tokens} tokens, asked for {BATCH_SIZE * BATCH_OUTPUT_TOKENS}"
+            f"{engine.name} produced {num_tokens} tokens, asked for "
+            f"{BATCH_SIZE * BATCH_OUTPUT_TOKENS}"
         )
     sample["throughput_tok_s"] = num_tokens / wall_s
     if start_busy_s is not None:
@@ -282,7 +287,8 @@ def bench_dtype(dtype: str, repeats: int) -> dict:
         load_s = time.perf_counter() - start
         warm_up(engine)
         print(
-            f"[{dtype}] {engine.name}: loaded in {load_s:.1f} s, warmed up in {time.perf_counter() - start - load_s:.1f} s",
+            f"[{dtype}] {engine.name}: loaded in {load_s:.1f} s, warmed up in "
+            f"{time.perf_counter() - start - load_s:.1f} s",
             flush=True,
         )
         engines.append(engine)
@@ -391,10 +397,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"Command: `{env['command']}`  ")
     print(
         f"torch {env['torch']}, transformers {env['transformers']}, CPU: {env['cpu']} "
-        f"({env['cpu_count']} logical CPUs), torch threads: {NUM_THREADS}, repeats: {repeats} (median shown)  "
+        f"({env['cpu_count']} logical CPUs), torch threads: {NUM_THREADS}, repeats: {repeats} "
+        "(median shown)  "
     )
     print(
-        "load average (1/5/15 min) at start {:.2f}/{:.2f}/{:.2f}, at end {:.2f}/{:.2f}/{:.2f}; wall {} s".format(
+        "load average (1/5/15 min) at start {:.2f}/{:.2f}/{:.2f}, at end {:.2f}/{:.2f}/{:.2f}; "
+        "wall {} s".format(
             *env["load_average_at_start"], *env["load_average_at_end"], env["wall_s"]
         )
     )

@@ -1,8 +1,10 @@
 """The floor under the router's per-token cost: CPU per message of a bare grpc.aio server-streaming
-handler that does nothing but wait on an asyncio queue and yield a small `GenerateResponse`, with the
-router benchmark's shape (N concurrent streams, one message each per tick, clients in another process).
+handler that does nothing but wait on an asyncio queue and yield a small `GenerateResponse`, with
+the router benchmark's shape (N concurrent streams, one message each per tick, clients in another
+process).
 
-    .venv/bin/python -m benchmarks.grpc_stream_floor [--streams 64] [--messages 128] [--tick-ms 130] [--asyncio-loop]
+    .venv/bin/python -m benchmarks.grpc_stream_floor [--streams 64] [--messages 128] [--tick-ms 130]
+        [--asyncio-loop]
 """
 
 from __future__ import annotations

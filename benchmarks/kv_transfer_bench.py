@@ -1,23 +1,24 @@
 """KV handoff between two Ray actors, each transport, against memcpy measured in the same run.
 
-    .venv/bin/python -m benchmarks.kv_transfer_bench [--repeats 3] [--prompts 1024,8192] [--transports ray,grpc,rdt]
-        [--json out.json]
+    .venv/bin/python -m benchmarks.kv_transfer_bench [--repeats 3] [--prompts 1024,8192]
+        [--transports ray,grpc,rdt] [--json out.json]
 
-For each model shape (SmolLM2-135M: 30 layers x 3 kv heads x 64, 23,040 B/token in bf16; a Llama-3-8B
-shape: 32 x 8 x 128, 131,072 B/token) and prompt length, a prefill actor and a decode actor (one CPU
-and one torch thread each) hold paged caches of that shape, block size 16. One handoff is timed in the
-driver, which plays the router: from asking the prefill actor to ship the request's KV until the decode
-actor reports it ready (all layers installed and CRC-verified). For `ray` the driver routes the
-ObjectRef-carrying delivery to the decode actor; for `rdt` it routes the header-only delivery and the
-decode actor pulls the payload over Ray Direct Transport (gloo; the two actors form a collective group
-first); for `grpc` the prefill actor streams straight to the decode actor's server on 127.0.0.1.
-`memcpy` is one copy of the same bytes into a preallocated, warm buffer inside the decode actor: the limit. Medians over the repeats, after one warm-up handoff.
+For each model shape (SmolLM2-135M: 30 layers x 3 kv heads x 64, 23,040 B/token in bf16; a
+Llama-3-8B shape: 32 x 8 x 128, 131,072 B/token) and prompt length, a prefill actor and a decode
+actor (one CPU and one torch thread each) hold paged caches of that shape, block size 16. One
+handoff is timed in the driver, which plays the router: from asking the prefill actor to ship the
+request's KV until the decode actor reports it ready (all layers installed and CRC-verified). For
+`ray` the driver routes the ObjectRef-carrying delivery to the decode actor; for `rdt` it routes the
+header-only delivery and the decode actor pulls the payload over Ray Direct Transport (gloo; the two
+actors form a collective group first); for `grpc` the prefill actor streams straight to the decode
+actor's server on 127.0.0.1. `memcpy` is one copy of the same bytes into a preallocated, warm buffer
+inside the decode actor: the limit. Medians over the repeats, after one warm-up handoff.
 
 "whole" ships all layers as one group; "in groups" ships groups of 6 layers back to back, so the
 sender's export + CRC + send of one group overlaps the receiver's CRC + install of the previous one.
-`--layerwise-ms-per-layer` adds a TTFT comparison: the prefill actor busy-computes each layer for that
-long, and either ships all layers after the last one (whole) or each group of 6 layers as soon as it is
-done (layerwise); the time from start to KV ready on the decode side is reported for both.
+`--layerwise-ms-per-layer` adds a TTFT comparison: the prefill actor busy-computes each layer for
+that long, and either ships all layers after the last one (whole) or each group of 6 layers as soon
+as it is done (layerwise); the time from start to KV ready on the decode side is reported for both.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class BenchEnd(KVEndWorker):
     def send_all(
         self, request_id, block_ids, destination, ms_per_layer: float = 0.0, layerwise: bool = False
     ):
-        """Start a handoff and ship every layer (after simulated compute); yields ray deliveries as they
-        are produced (a streaming generator, so the driver can route each one at once)."""
+        """Start a handoff and ship every layer (after simulated compute); yields ray deliveries as
+        they are produced (a streaming generator, so the driver can route each one at once)."""
         self.side.start(request_id, block_ids, destination, lease_s=60.0)
         num_layers = self.end.cache.layout.num_layers
         group = LAYER_GROUP if layerwise else num_layers
@@ -187,8 +188,9 @@ def bench_shape(name, layout, num_tokens, transports, repeats, ms_per_layer):
 def _format_row(row) -> str:
     text = (
         f"| {row['shape']} | {row['tokens']} | {row['kv_bytes'] / 1e6:.1f} | {row['transport']} | "
-        f"{row['handoff_ms']:.1f} | {row['gbps']:.2f} | {row['pipelined_ms']:.1f} | {row['pipelined_gbps']:.2f} | "
-        f"{row['memcpy_ms']:.1f} | {row['memcpy_gbps']:.1f} | {100 * row['pipelined_gbps'] / row['memcpy_gbps']:.0f}% |"
+        f"{row['handoff_ms']:.1f} | {row['gbps']:.2f} | {row['pipelined_ms']:.1f} | "
+        f"{row['pipelined_gbps']:.2f} | {row['memcpy_ms']:.1f} | {row['memcpy_gbps']:.1f} | "
+        f"{100 * row['pipelined_gbps'] / row['memcpy_gbps']:.0f}% |"
     )
     if "ttft_whole_ms" in row:
         text += f" {row['ttft_whole_ms']:.0f} / {row['ttft_layerwise_ms']:.0f} |"
@@ -215,11 +217,11 @@ def main() -> None:
         configure_logging=False,
         runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
     )
+    argv = [sys.executable.split("/")[-1], "-m", "benchmarks.kv_transfer_bench", *sys.argv[1:]]
+    print(f"command: {shlex.join(argv)}")
     print(
-        f"command: {shlex.join([sys.executable.split('/')[-1], '-m', 'benchmarks.kv_transfer_bench', *sys.argv[1:]])}"
-    )
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__} "
         f"(CPU capability {torch.backends.cpu.get_cpu_capability()}), ray {ray.__version__}"
     )
     header = (

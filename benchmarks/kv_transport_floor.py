@@ -1,5 +1,5 @@
-"""The floors under the KV handoff's targets (issue #3): what each transport's own mechanism costs with
-no KV work around it, against memcpy measured in the same run.
+"""The floors under the KV handoff's targets (issue #3): what each transport's own mechanism costs
+with no KV work around it, against memcpy measured in the same run.
 
     .venv/bin/python -m benchmarks.kv_transport_floor [--mib 24,189] [--repeats 9]
 
@@ -9,11 +9,11 @@ no KV work around it, against memcpy measured in the same run.
 - `ray.get`: another actor maps the object (zero-copy) and reads one byte per page;
 - gRPC: a bare Python gRPC client stream of prebuilt 1 and 2 MiB `bytes` chunks (identity
   serializers) to a server in another process that only counts them; the grpc transport's floor;
-- rdt: two actors in a gloo group (kvtransfer/rdt_transport.py). "pull" is the rdt transport's mechanism
-  with no KV work: the receiving actor asks the other for a prebuilt tensor with
-  `tensor_transport="gloo"` and passes the ref to a task on itself that touches every page; "gloo" is
-  `ray.util.collective` send/recv of the same bytes into a warm preallocated buffer, no Ray task per
-  transfer: the floor under the pull.
+- rdt: two actors in a gloo group (kvtransfer/rdt_transport.py). "pull" is the rdt transport's
+  mechanism with no KV work: the receiving actor asks the other for a prebuilt tensor with
+  `tensor_transport="gloo"` and passes the ref to a task on itself that touches every page; "gloo"
+  is `ray.util.collective` send/recv of the same bytes into a warm preallocated buffer, no Ray task
+  per transfer: the floor under the pull.
 Medians over the repeats.
 """
 
@@ -182,7 +182,7 @@ def grpc_floor(num_bytes: int, chunk_bytes: int, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--mib", default="24,189", help="payload sizes (MiB): a 1k and an 8k SmolLM2 prompt's KV"
     )

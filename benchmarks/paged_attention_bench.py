@@ -1,6 +1,6 @@
-"""The CPU paged decode-attention kernel (engine/csrc/paged_attention.c) as built for this CPU against
-its plain loops alone (built with -DPDSERVE_PLAIN_LOOPS), bf16 cache, SmolLM2-135M's heads (9 query
-heads over 3 kv heads of 64), times 30 layers.
+"""The CPU paged decode-attention kernel (engine/csrc/paged_attention.c) as built for this CPU
+against its plain loops alone (built with -DPDSERVE_PLAIN_LOOPS), bf16 cache, SmolLM2-135M's heads
+(9 query heads over 3 kv heads of 64), times 30 layers.
 
     python -m benchmarks.paged_attention_bench
 """

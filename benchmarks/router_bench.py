@@ -1,19 +1,20 @@
 """What the router adds to streaming: per-token overhead and CPU per streamed token.
 
-Starts a local 1 prefill + 1 decode system (default model, bf16), runs N concurrent greedy streams of
-fixed length, and reports, from the same run:
+Starts a local 1 prefill + 1 decode system (default model, bf16), runs N concurrent greedy streams
+of fixed length, and reports, from the same run:
 - the client-observed inter-token latency (ITL) percentiles,
 - the decode worker's own step time (mean over decode-only steps), so that
   router + streaming overhead per token = ITL p50 - decode step mean,
-- the router process's CPU seconds per streamed token (the clients run in another process), hence the
-  tokens/s one router core sustains.
+- the router process's CPU seconds per streamed token (the clients run in another process), hence
+  the tokens/s one router core sustains.
 
 Each figure is given twice: over the whole run, and over the steady window, while every stream is in
-its decode phase (the decode worker runs all N). The whole run mixes in the ramp (prompts arriving and
-prefilled while early streams decode at small batches, whose steps are faster) and each request's
-set-up; the steady window compares ITL and step time over the same steps.
+its decode phase (the decode worker runs all N). The whole run mixes in the ramp (prompts arriving
+and prefilled while early streams decode at small batches, whose steps are faster) and each
+request's set-up; the steady window compares ITL and step time over the same steps.
 
-    .venv/bin/python -m benchmarks.router_bench [--streams 64] [--tokens 64] [--transport ray] [--stream-interval 1] [--routing prefix|load]
+    .venv/bin/python -m benchmarks.router_bench [--streams 64] [--tokens 64] [--transport ray]
+        [--stream-interval 1] [--routing prefix|load]
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ class _Sample:
 
 
 def _sample(loop, actor, samples: list, done: threading.Event, every_s: float) -> None:
-    """Polls the decode worker; each poll is a Ray call from this (the router) process, so not too often."""
+    """Polls the decode worker; each poll is a Ray call from this (the router) process, so not too
+    often."""
     while True:
         load = _load(loop, actor)
         samples.append(_Sample(time.monotonic(), _cpu_s(), load))

@@ -5,9 +5,10 @@ such conversations, with 1 and with 2 torch threads. A disaggregated or colocate
 
     .venv/bin/python -m benchmarks.turn_floor [--history 600] [--new 140] [--batch 8] [--repeats 5]
 
-Each repeat: a fresh engine (fp32, the default model) prefills the history, then a prompt of history +
-`--new` tokens (the history's blocks are found in its prefix cache: only the new tokens are computed;
-timed); then `--batch` such sequences decode one step together (timed: the median of 8 steps).
+Each repeat: a fresh engine (fp32, the default model) prefills the history, then a prompt of history
++ `--new` tokens (the history's blocks are found in its prefix cache: only the new tokens are
+computed; timed); then `--batch` such sequences decode one step together (timed: the median of 8
+steps).
 """
 
 from __future__ import annotations
@@ -91,9 +92,10 @@ def main() -> None:
             "decode_step_ms": round(statistics.median(decode) * 1e3, 1),
         }
         print(
-            f"{threads} thread(s): prefill of {args.new} new tokens on a {args.history}-token cached history "
-            f"{report['threads'][threads]['prefill_new_tokens_ms']} ms; decode step of {args.batch} such "
-            f"sequences {report['threads'][threads]['decode_step_ms']} ms"
+            f"{threads} thread(s): prefill of {args.new} new tokens on a {args.history}-token "
+            f"cached history {report['threads'][threads]['prefill_new_tokens_ms']} ms; decode "
+            f"step of {args.batch} such sequences {report['threads'][threads]['decode_step_ms']} "
+            "ms"
         )
     print(json.dumps(report))
 
