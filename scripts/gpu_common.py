@@ -1,4 +1,5 @@
-"""What the device check's sections share: the sizes each runs at, a device-aware clock and timing."""
+"""What the device check's sections share: the sizes each runs at, a device-aware clock and
+timing."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def check_correctness(device: str, sizes: Sizes) -> dict:
     return result
 
 
-# -- engine speed, beside HF transformers -----------------------------------------------------------
+# -- engine speed, beside HF transformers ----------------------------------------------------------
 
 
 def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -110,7 +110,8 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list
 
 
 def _hf_twin(loaded, dtype: torch.dtype, device: str):
-    """HF's LlamaForCausalLM holding the same weights as an engine model (ours fuses q/k/v and gate/up)."""
+    """HF's LlamaForCausalLM holding the same weights as an engine model (ours fuses q/k/v and
+    gate/up)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = loaded.config

@@ -1,5 +1,6 @@
-"""The device check's `kv_handoff` section: one request's KV between two processes, through the `grpc`
-transport and through CUDA IPC, against a copy in one process and a pinned host round trip."""
+"""The device check's `kv_handoff` section: one request's KV between two processes, through the
+`grpc` transport and through CUDA IPC, against a copy in one process and a pinned host round
+trip."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import torch
 
 from gpu_common import QUICK, Clock, Sizes, time_call
 
-# -- KV handoff between two processes ------------------------------------------------------------------
+# -- KV handoff between two processes --------------------------------------------------------------
 
 
 def _ipc_receiver(requests, replies) -> None:
-    """The decode side: opens each shared CUDA tensor (CUDA IPC), copies it into its own memory, answers."""
+    """The decode side: opens each shared CUDA tensor (CUDA IPC), copies it into its own memory,
+    answers."""
     while True:
         shared = requests.get()
         if shared is None:
@@ -38,8 +40,9 @@ def _handoff_layout(quick: bool):
 
 
 def _grpc_receiver(device: str, quick: bool, num_blocks: int, requests, replies) -> None:
-    """The decode side of a `grpc` handoff: a paged cache on `device`, a receiver, and for each request
-    it is told of: reserve, wait until ready, report when (perf_counter: one clock for the machine)."""
+    """The decode side of a `grpc` handoff: a paged cache on `device`, a receiver, and for each
+    request it is told of: reserve, wait until ready, report when (perf_counter: one clock for the
+    machine)."""
     from engine.block_manager import BlockAllocator
     from engine.kv_cache import PagedKVCache
     from kvtransfer import create_receiver
@@ -70,9 +73,9 @@ def _grpc_receiver(device: str, quick: bool, num_blocks: int, requests, replies)
 
 
 def _grpc_handoffs(device: str, sizes: Sizes, rows: list[dict]) -> None:
-    """Each row's prompt shipped with the `grpc` transport between two processes, KV staged through pinned
-    host buffers on both sides (kvtransfer; engine.kv_cache.PagedKVCache.export_blocks): GB/s of the whole
-    handoff, from `send_layers` to the receiver's blocks installed on its device."""
+    """Each row's prompt shipped with the `grpc` transport between two processes, KV staged through
+    pinned host buffers on both sides (kvtransfer; engine.kv_cache.PagedKVCache.export_blocks): GB/s
+    of the whole handoff, from `send_layers` to the receiver's blocks installed on its device."""
     import torch.multiprocessing as mp
 
     from engine.block_manager import BlockAllocator

@@ -1,6 +1,6 @@
 """The device check's attention sections: which fused SDPA kernels take the engine's prefill call
-(`prefill_backend`), bf16 accuracy against float64 (`attention_accuracy`), and the paged decode kernel
-against the gather path (`decode_kernel`)."""
+(`prefill_backend`), bf16 accuracy against float64 (`attention_accuracy`), and the paged decode
+kernel against the gather path (`decode_kernel`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from gpu_common import FULL, Clock, Sizes, time_call
 
 
 def check_prefill_backend(device: str, sizes: Sizes) -> dict:
-    """The engine's first-chunk prefill call (engine.model.Attention._prefill_attention), 8B head shape."""
+    """The engine's first-chunk prefill call (engine.model.Attention._prefill_attention), 8B head
+    shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     tokens, heads, kv_heads, head_dim = 512 if sizes is FULL else 64, 32, 8, 128
@@ -37,13 +38,14 @@ def check_prefill_backend(device: str, sizes: Sizes) -> dict:
     return {"backends": runs, "fused": any(r == "runs" for r in runs.values())}
 
 
-# -- attention accuracy in 16-bit ----------------------------------------------------------------------
+# -- attention accuracy in 16-bit ------------------------------------------------------------------
 
 
 def _causal_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """float64 causal attention; q `[n, heads, d]`, k/v `[n, kv_heads, d]`; returns `[n, heads, d]`."""
+    """float64 causal attention; q `[n, heads, d]`, k/v `[n, kv_heads, d]`; returns `[n, heads,
+    d]`."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (
         q.double().transpose(0, 1),
@@ -56,8 +58,9 @@ def _causal_reference(
 
 
 def check_attention_accuracy(device: str, sizes: Sizes) -> dict:
-    """The engine's prefill attention call (`Attention._prefill_attention`, a fresh prompt) and other ways
-    of making the same SDPA call, in bf16, against float64: the largest difference of each."""
+    """The engine's prefill attention call (`Attention._prefill_attention`, a fresh prompt) and
+    other ways of making the same SDPA call, in bf16, against float64: the largest difference of
+    each."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from engine.config import ModelConfig
@@ -96,7 +99,8 @@ def check_attention_accuracy(device: str, sizes: Sizes) -> dict:
                     PrefillSlice(0, n, n, torch.zeros(1, dtype=torch.long, device=device))
                 ],
             )
-            layout = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731  [1, heads, n, d], strided as the engine's
+            # [1, heads, n, d], strided as the engine's
+            layout = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
             unlayout = lambda t: t[0].transpose(0, 1)  # noqa: E731
 
             def sdpa(q4, k4, v4, gqa=True):
@@ -145,7 +149,8 @@ def check_attention_accuracy(device: str, sizes: Sizes) -> dict:
 
 
 def _decode_accuracy(device: str) -> list[dict]:
-    """The paged decode kernel in bf16 (every partition count it may pick, and one) against float64."""
+    """The paged decode kernel in bf16 (every partition count it may pick, and one) against
+    float64."""
     from engine.paged_attention import decode_kernel_for
 
     kernel, rows, block_size, lens = decode_kernel_for(device), [], 16, [1, 17, 300, 640]
@@ -269,5 +274,6 @@ def check_decode_kernel(device: str, sizes: Sizes) -> dict:
 
 
 def _splits_contexts(kernel) -> bool:
-    """Whether a decode kernel splits contexts into partitions (the Triton one; the CPU kernel never does)."""
+    """Whether a decode kernel splits contexts into partitions (the Triton one; the CPU kernel never
+    does)."""
     return "num_partitions" in inspect.signature(kernel).parameters

@@ -1,8 +1,10 @@
-"""The serving check of issue #32: the whole system (router, prefill and decode workers on Ray, the KV
-handoff) on one GPU, driven by `pdserve bench`, disaggregated against colocated in one run.
+"""The serving check of issue #32: the whole system (router, prefill and decode workers on Ray, the
+KV handoff) on one GPU, driven by `pdserve bench`, disaggregated against colocated in one run.
 
-    python3 scripts/gpu_serve_check.py --device cuda                 # the device machine (see below)
-    .venv/bin/python scripts/gpu_serve_check.py --device cpu --quick  # the same path in seconds (CI)
+    python3 scripts/gpu_serve_check.py --device cuda
+        # the device machine (see below)
+    .venv/bin/python scripts/gpu_serve_check.py --device cpu --quick
+        # the same path in seconds (CI)
 
 For each model section (`8b`: the Llama-3-8B shape with random weights in bf16, 1024 -> 128 tokens;
 `8b_ipc`, cuda only: the same, disaggregated, its KV handed off through CUDA IPC on the one GPU
@@ -18,9 +20,10 @@ prints the figures against the targets: TTFT p50 < 500 ms at 1k-token prompts un
 
 One GPU, two workers: pdserve.pools asks Ray for one GPU per worker on cuda, so this script starts
 Ray itself with 2 logical GPUs on the one card and RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
-(both workers see physical GPU 0), and gives each worker a fixed KV size (the plan's): two engines must
-not each size their cache from the free memory. A dummy model has no tokenizer, which start_system
-needs for the router: `--tokenizer default` serves (ids past its vocabulary decode to nothing).
+(both workers see physical GPU 0), and gives each worker a fixed KV size (the plan's): two engines
+must not each size their cache from the free memory. A dummy model has no tokenizer, which
+start_system needs for the router: `--tokenizer default` serves (ids past its vocabulary decode to
+nothing).
 
 ## On the device machine (one H200; no Ray there, nothing reachable)
 Here, once: `flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/gpu_wheels.py build` (three parts
@@ -34,8 +37,8 @@ call; the parts stay on it between calls), about 12 device minutes in all:
      stage 3 && PYTHONUNBUFFERED=1 python3 scripts/gpu_serve_check.py --device cuda --sections
      8b,8b_ipc --out-dir $OUT`                 (~5-6 min: install ~30 s; per system ~30 s to start,
      a warm-up, 3 rates x 120 prompts (30 + 10 + 5 s) and their drains; 3 systems)
-  4. carry ["pdserve_proto"], timeout_s 420: `. /tmp/pdserve-gpu/env.sh && PYTHONUNBUFFERED=1 python3
-     scripts/gpu_serve_check.py --device cuda --sections default --out-dir $OUT && python3
+  4. carry ["pdserve_proto"], timeout_s 420: `. /tmp/pdserve-gpu/env.sh && PYTHONUNBUFFERED=1
+     python3 scripts/gpu_serve_check.py --device cuda --sections default --out-dir $OUT && python3
      scripts/gpu_check.py --device cuda --sections kv_handoff --out $OUT/h200_kv_handoff.json`
                                                (~3 min: 2 systems, then #17's handoff figures)
 Copy what comes back into benchmarks/results/gpu/. Each section runs on a Ray node of its own.
@@ -141,12 +144,13 @@ def ensure_installed() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
-# -- one system, driven -----------------------------------------------------------------------------
+# -- one system, driven ----------------------------------------------------------------------------
 
 
 def init_ray(device: str, object_store_bytes: int, cuda_ipc: bool) -> None:
-    """A local Ray node as pdserve.system.init_ray starts one, plus (cuda) two logical GPUs on one card.
-    Its workers inherit this process's environment: `cuda_ipc` sets PDSERVE_KV_CUDA_IPC=1 there."""
+    """A local Ray node as pdserve.system.init_ray starts one, plus (cuda) two logical GPUs on one
+    card. Its workers inherit this process's environment: `cuda_ipc` sets PDSERVE_KV_CUDA_IPC=1
+    there."""
     from kvtransfer.cuda_ipc import ENV
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every server on loopback
@@ -177,8 +181,8 @@ def init_ray(device: str, object_store_bytes: int, cuda_ipc: bool) -> None:
 
 async def run_bench(port: int, plan: Plan, rates, prompts: int, seed: int, out: Path) -> list:
     """`pdserve bench` in its own process (the client's CPU stays out of the router's loop), through
-    gpu_serve_bench.py, which also notes each request's server timings: one result per rate, with the
-    KV handoff of its requests."""
+    gpu_serve_bench.py, which also notes each request's server timings: one result per rate, with
+    the KV handoff of its requests."""
     command = [sys.executable, str(ROOT / "scripts/gpu_serve_bench.py"), "--port", str(port)]
     command += ["--model", plan.model, "--tokenizer", "default", "--num-prompts", str(prompts)]
     command += ["--random-input-len", str(plan.input_tokens)]
@@ -237,7 +241,8 @@ async def greedy_through_system(port: int, prompts: list[list[int]], max_tokens:
 
 
 def greedy_reference(plan: Plan, device: str) -> tuple[list[list[int]], list[list[int]]]:
-    """The single-process engine's greedy tokens for the plan's chat prompts (before any worker starts)."""
+    """The single-process engine's greedy tokens for the plan's chat prompts (before any worker
+    starts)."""
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
     from gpu_engine import CHAT_PROMPTS  # the device engine check's prompts (scripts/)
@@ -316,7 +321,8 @@ def gpu_memory_used_bytes(device: str) -> Optional[int]:
 
 
 def wait_for_gpu_memory(device: str, baseline: Optional[int], timeout_s: float = 60.0) -> None:
-    """Stopped actors free their GPU memory when their processes exit: the next system waits for it."""
+    """Stopped actors free their GPU memory when their processes exit: the next system waits for
+    it."""
     if baseline is None:
         return
     deadline = time.monotonic() + timeout_s
@@ -327,7 +333,7 @@ def wait_for_gpu_memory(device: str, baseline: Optional[int], timeout_s: float =
         time.sleep(0.5)
 
 
-# -- report ------------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 
 
 def _ms(value) -> str:
@@ -338,17 +344,18 @@ def summary_line(plan: Plan, mode: str, r: dict) -> str:
     kv = r["kv_handoff"]
     share = kv.get("median_kv_share_of_ttft")
     return (
-        f"[{plan.name} {mode} {r['request_rate']:g} req/s] {r['completed']} ok {r['failed']} failed; "
-        f"TTFT p50 {_ms(r['median_ttft_ms'])} p99 {_ms(r['p99_ttft_ms'])} ms; TPOT p50 "
+        f"[{plan.name} {mode} {r['request_rate']:g} req/s] {r['completed']} ok {r['failed']} "
+        f"failed; TTFT p50 {_ms(r['median_ttft_ms'])} p99 {_ms(r['p99_ttft_ms'])} ms; TPOT p50 "
         f"{_ms(r['median_tpot_ms'])} ms; ITL p99 {_ms(r['p99_itl_ms'])} ms; "
-        f"{r['output_throughput']:.0f} out tok/s; goodput {r['request_goodput'] or 0:.2f} req/s; KV "
-        f"handoff p50 {_ms(kv.get('median_kv_transfer_ms'))} ms"
+        f"{r['output_throughput']:.0f} out tok/s; goodput {r['request_goodput'] or 0:.2f} req/s; "
+        f"KV handoff p50 {_ms(kv.get('median_kv_transfer_ms'))} ms"
         + ("" if share is None else f" ({100 * share:.1f} % of TTFT)")
     )
 
 
 def judge(report: dict) -> dict:
-    """The targets, on the disaggregated system at its highest rate (under load); throughput at any."""
+    """The targets, on the disaggregated system at its highest rate (under load); throughput at
+    any."""
     verdicts = {}
     for name, section in report["sections"].items():
         if not section.get("ok"):
@@ -376,8 +383,8 @@ def write_markdown(report: dict, path: Path) -> None:
         f"`{report['command']}`; transport {report['transport']}; torch {report['torch']}, "
         f"Python {report['python']}; {report['total_s']:.0f} s.",
         "",
-        "| model | system | rate | done/failed | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms "
-        "| out tok/s | goodput req/s | KV handoff p50 ms (% of TTFT) |",
+        "| model | system | rate | done/failed | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 "
+        "ms | out tok/s | goodput req/s | KV handoff p50 ms (% of TTFT) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, section in report["sections"].items():
@@ -391,10 +398,10 @@ def write_markdown(report: dict, path: Path) -> None:
                 lines.append(
                     f"| {section['model']} | {system['workers']} | {r['request_rate']:g} | "
                     f"{r['completed']}/{r['failed']} | {_ms(r['median_ttft_ms'])} / "
-                    f"{_ms(r['p99_ttft_ms'])} | {_ms(r['median_tpot_ms'])} / {_ms(r['p99_tpot_ms'])} "
-                    f"| {_ms(r['median_itl_ms'])} / {_ms(r['p99_itl_ms'])} | "
-                    f"{r['output_throughput']:.0f} | {r['request_goodput'] or 0:.2f} | "
-                    f"{_ms(kv.get('median_kv_transfer_ms'))}"
+                    f"{_ms(r['p99_ttft_ms'])} | {_ms(r['median_tpot_ms'])} / "
+                    f"{_ms(r['p99_tpot_ms'])} | {_ms(r['median_itl_ms'])} / "
+                    f"{_ms(r['p99_itl_ms'])} | {r['output_throughput']:.0f} | "
+                    f"{r['request_goodput'] or 0:.2f} | {_ms(kv.get('median_kv_transfer_ms'))}"
                     + ("" if share is None else f" ({100 * share:.1f} %)")
                     + " |"
                 )

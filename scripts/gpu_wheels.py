@@ -1,25 +1,26 @@
-"""What the GPU machine lacks for the serving check (issue #32), brought in parts small enough to carry.
+"""What the GPU machine lacks for the serving check (issue #32), brought in parts small enough to
+carry.
 
-The device image has torch, triton, transformers, msgpack, uvloop, prometheus-client and nvidia-ml-py,
-but no Ray, no gguf, no grpcio-health-checking/-reflection, and gRPC/protobuf of unknown versions
-(our generated stubs need protobuf 7 and grpcio >= 1.85). Nothing there reaches a registry, and one
-`run` carries at most 64 MiB with the working tree (~9 MiB), so here we build, in `.gpu_wheels/`
-(ignored by git):
+The device image has torch, triton, transformers, msgpack, uvloop, prometheus-client and
+nvidia-ml-py, but no Ray, no gguf, no grpcio-health-checking/-reflection, and gRPC/protobuf of
+unknown versions (our generated stubs need protobuf 7 and grpcio >= 1.85). Nothing there reaches a
+registry, and one `run` carries at most 64 MiB with the working tree (~9 MiB), so here we build, in
+`.gpu_wheels/` (ignored by git):
 
     part-1/  part-2/  part-3/      each at most --part-mib (50 MiB), MANIFEST.json in every one
     ├ the default model's GGUF (98 MB, SmolLM2-135M-Instruct.Q4_1.gguf from .venv), split
-    ├ wheels for any Python: gguf, jsonschema and its needs, protobuf (abi3), grpcio-health/-reflection
-    └ wheels for the device's Python (last, so only the last part depends on it): Ray as a slimmed
-      tarball (ray/jars, rllib, data, serve, train, tune, llm dropped: 79 MB wheel -> 25 MB .tar.xz),
-      grpcio, rpds-py
+    ├ wheels for any Python: gguf, jsonschema and its needs, protobuf (abi3),
+    grpcio-health/-reflection └ wheels for the device's Python (last, so only the last part depends
+      on it): Ray as a slimmed tarball (ray/jars, rllib, data, serve, train, tune, llm dropped: 79
+      MB wheel -> 25 MB .tar.xz), grpcio, rpds-py
 
 Here (about 5 minutes, mostly pip's download of Ray and xz):
 
     flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/gpu_wheels.py build [--python-version 3.12]
 
 On the device, each call copies its part out of the repo into /tmp/pdserve-gpu/parts (a warm machine
-keeps it between calls, and the carried folders too); `install` checks every file's sha256, joins the
-pieces, installs into /tmp/pdserve-gpu/site and writes /tmp/pdserve-gpu/env.sh (PYTHONPATH, and
+keeps it between calls, and the carried folders too); `install` checks every file's sha256, joins
+the pieces, installs into /tmp/pdserve-gpu/site and writes /tmp/pdserve-gpu/env.sh (PYTHONPATH, and
 PDSERVE_DEFAULT_MODEL for the GGUF). scripts/gpu_serve_check.py runs `install` itself when Ray is
 missing, so the device calls are (see its docstring):
 
@@ -27,8 +28,8 @@ missing, so the device calls are (see its docstring):
     call 2  carry [.gpu_wheels/part-2]  python3 scripts/gpu_wheels.py stage 2
     call 3  carry [.gpu_wheels/part-3, pdserve_proto]  python3 scripts/gpu_wheels.py stage 3 && ...
 
-`stage` prints the device's `python -V`: a Python other than the one built for needs a new build here
-(`--python-version`) before the next machine.
+`stage` prints the device's `python -V`: a Python other than the one built for needs a new build
+here (`--python-version`) before the next machine.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RAY_VERSION = "2.60.0"
 # Ray's packages that serving never imports (Java jars, RL, data, serve, train, tune, llm)
 RAY_DROPPED = ("jars", "rllib", "data", "serve", "train", "tune", "llm")
-# any Python (pure or abi3); versions = the project's .venv, so the stubs and Ray agree with our tests
+# any Python (pure or abi3); versions = the project's .venv, so the stubs and Ray agree with our
+# tests
 PORTABLE = (
     "gguf==0.19.0",
     "jsonschema==4.26.0",
@@ -217,8 +219,8 @@ def stage(number: int) -> None:
     manifest = json.loads((source / "MANIFEST.json").read_text())
     if manifest["python_version"] != f"{sys.version_info.major}.{sys.version_info.minor}":
         print(
-            f"WARNING: the parts were built for Python {manifest['python_version']}: rebuild here with "
-            f"--python-version {sys.version_info.major}.{sys.version_info.minor}"
+            f"WARNING: the parts were built for Python {manifest['python_version']}: rebuild here "
+            f"with --python-version {sys.version_info.major}.{sys.version_info.minor}"
         )
     target = DEVICE_DIR / "parts"
     target.mkdir(parents=True, exist_ok=True)

@@ -5,11 +5,13 @@ Every process of a local system gets a profiler (`sys.setprofile`, for all threa
 through Ray's `worker_process_setup_hook`) that notes, for each of our functions called, the 50 ms
 ticks it was called in; a thread writes the notes to a file per process. The script starts a system,
 warms it up, records an idle window and then a window holding exactly one request, and reports the
-functions called during the request but not while idle (polls and heartbeats run either way: they are
-counted apart).
+functions called during the request but not while idle (polls and heartbeats run either way: they
+are counted apart).
 
-    .venv/bin/python scripts/journey_count.py [--mode disaggregated|colocated] [--transport ray|grpc]
-    cp scripts/journey_count.py OTHER/scripts/ && cd OTHER && /this/.venv/bin/python scripts/journey_count.py
+    .venv/bin/python scripts/journey_count.py [--mode disaggregated|colocated]
+        [--transport ray|grpc]
+    cp scripts/journey_count.py OTHER/scripts/ && cd OTHER &&
+        /this/.venv/bin/python scripts/journey_count.py
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ _TICK_S = 0.05
 
 
 def install() -> None:
-    """Starts noting calls of the repository's functions in this process (Ray's setup hook calls it)."""
+    """Starts noting calls of the repository's functions in this process (Ray's setup hook calls
+    it)."""
     out, root = os.environ[_DIR_ENV], os.environ[_ROOT_ENV]
     ticks: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
 
