@@ -13,8 +13,9 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items):
-    """Modules marked `own_ray_cluster` (they shut the session's shared cluster down and start their own)
-    run first, so the shared one starts once: each start of it costs 10-20 s on this repo's machines."""
+    """Modules marked `own_ray_cluster` (they shut the session's shared cluster down and start their
+    own) run first, so the shared one starts once: each start of it costs 10-20 s on this repo's
+    machines."""
     # stable: order kept otherwise
     items.sort(key=lambda item: item.get_closest_marker("own_ray_cluster") is None)
 
@@ -44,8 +45,8 @@ def hf_smollm_fp32(default_gguf):
 
 @pytest.fixture(scope="session")
 def shared_harness(tmp_path_factory):
-    """One local Ray cluster and router event loop for the session: starting Ray takes ~5 s, and 17 modules
-    serve systems."""
+    """One local Ray cluster and router event loop for the session: starting Ray takes ~5 s, and 17
+    modules serve systems."""
     from tests.serving_harness import Harness
 
     h = Harness(str(tmp_path_factory.mktemp("cores")))
@@ -55,6 +56,7 @@ def shared_harness(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def harness(shared_harness):
-    """The session's harness for one test module's pdserve systems; those still up when it ends are stopped."""
+    """The session's harness for one test module's pdserve systems; those still up when it ends are
+    stopped."""
     yield shared_harness
     shared_harness.stop_systems()

@@ -1,4 +1,5 @@
-"""Test and benchmark helpers for kvtransfer: one end of a handoff (a paged cache and its allocator) with random KV."""
+"""Test and benchmark helpers for kvtransfer: one end of a handoff (a paged cache and its allocator)
+with random KV."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class KVEnd:
         )
 
     def fill_random(self, block_ids: Sequence[int], seed: int = 0) -> None:
-        """Arbitrary bit patterns (NaNs and infinities included), so equality below is bit equality."""
+        """Arbitrary bit patterns (NaNs and infinities included), so equality below is bit
+        equality."""
         generator = torch.Generator().manual_seed(seed)
         data = self.cache.export_blocks(block_ids)
         bits = data.view(torch.uint8)
@@ -98,7 +100,8 @@ class KVEndWorker:
         return self.side.send_layers(request_id, slice(layer_start, layer_stop))
 
     def deliver(self, delivery):
-        """The receiver's `deliver`, with the error returned as (type name, message) instead of raised."""
+        """The receiver's `deliver`, with the error returned as (type name, message) instead of
+        raised."""
         try:
             return self.side.deliver(delivery)
         except Exception as error:  # the test asserts on it

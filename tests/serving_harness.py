@@ -1,4 +1,5 @@
-"""Running a real pdserve system (local Ray cluster on loopback, real actors, real gRPC) inside a test."""
+"""Running a real pdserve system (local Ray cluster on loopback, real actors, real gRPC) inside a
+test."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ class RunningSystem:
             return client.stats()
 
     def wait_idle(self, timeout_s: float = 30):
-        """Stats once nothing is in flight and every worker's KV blocks are all free again (a worker that
-        does not answer reports 0 of 0 blocks: it never counts as free)."""
+        """Stats once nothing is in flight and every worker's KV blocks are all free again (a worker
+        that does not answer reports 0 of 0 blocks: it never counts as free)."""
         deadline = time.monotonic() + timeout_s
         while True:
             stats = self.stats()
@@ -59,9 +60,9 @@ class RunningSystem:
 
 
 class Harness:
-    """One Ray cluster and one router event loop for the whole test session; systems come and go. A test
-    module that needs a cluster of its own shuts this one down (`ray.shutdown()`); the next `start` brings
-    it back."""
+    """One Ray cluster and one router event loop for the whole test session; systems come and go. A
+    test module that needs a cluster of its own shuts this one down (`ray.shutdown()`); the next
+    `start` brings it back."""
 
     def __init__(self, core_dir: str, num_cpus: int = 8):
         self._num_cpus = num_cpus
@@ -85,10 +86,10 @@ class Harness:
                 )
             )
             self._ray_started = True
-        # fp32 unless told: the tests compare with HF transformers in fp32, whatever this CPU prefers; every
-        # disaggregated request through the prefill pool unless told (tests of the local path ask for it)
-        # and the test run's own directory for lending cores, so a pdserve serving beside the tests on this
-        # machine does not change which cores its workers lend
+        # fp32 unless told: the tests compare with HF transformers in fp32, whatever this CPU
+        # prefers; every disaggregated request through the prefill pool unless told (tests of the
+        # local path ask for it) and the test run's own directory for lending cores, so a pdserve
+        # serving beside the tests on this machine does not change which cores its workers lend
         defaults = {
             "port": 0,
             "kv_cache_bytes": 64 << 20,
@@ -101,8 +102,8 @@ class Harness:
         return system
 
     def stop_systems(self) -> None:
-        """Stops every system started here that is still up: what one test module leaves running must not
-        hold the cluster's CPUs (or memory) while the next one starts its own."""
+        """Stops every system started here that is still up: what one test module leaves running
+        must not hold the cluster's CPUs (or memory) while the next one starts its own."""
         for system in self._running:
             system.stop()
         self._running.clear()

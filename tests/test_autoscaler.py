@@ -1,4 +1,5 @@
-"""The autoscaling policy under synthetic load: it grows the bottleneck pool, then shrinks when idle."""
+"""The autoscaling policy under synthetic load: it grows the bottleneck pool, then shrinks when
+idle."""
 
 import pytest
 

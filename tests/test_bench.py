@@ -120,8 +120,8 @@ def test_metrics_by_hand():
 
 def test_goodput_counts_completed_requests_meeting_every_slo():
     records = _records()
-    # TTFT <= 250 and TPOT <= 150: the first (100, 100) and the one-token request (200, no TPOT) pass;
-    # the second fails TTFT (300); the failed request never counts.
+    # TTFT <= 250 and TPOT <= 150: the first (100, 100) and the one-token request (200, no TPOT)
+    # pass; the second fails TTFT (300); the failed request never counts.
     m = compute_metrics(records, 2.0, goodput_slos_ms={"ttft": 250, "tpot": 150})
     assert m["request_goodput"] == pytest.approx(1.0)
     assert compute_metrics(records, 2.0, goodput_slos_ms={"tpot": 99})[

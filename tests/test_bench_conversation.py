@@ -1,7 +1,7 @@
-"""`pdserve bench --dataset conversation`: the scripts are reproducible, every turn resends the whole
-history with the replies the server really gave, users start on the arrival schedule and pause their
-think time, the per-turn figures by hand, the flags, and one small run against a live local system
-over gRPC and the OpenAI chat API."""
+"""`pdserve bench --dataset conversation`: the scripts are reproducible, every turn resends the
+whole history with the replies the server really gave, users start on the arrival schedule and pause
+their think time, the per-turn figures by hand, the flags, and one small run against a live local
+system over gRPC and the OpenAI chat API."""
 
 import argparse
 import asyncio
@@ -68,7 +68,8 @@ def test_scripts_are_reproducible_for_a_seed_and_share_one_system_prompt(tokeniz
         other[0].system_prompt != scripts[0].system_prompt
         and other[0].think_times_s != scripts[0].think_times_s
     )
-    # A sweep's next rate: fresh texts, the same think times; a user's script does not depend on the user count.
+    # A sweep's next rate: fresh texts, the same think times; a user's script does not depend on the
+    # user count.
     next_rate = conversations(tokenizer, config, content_index=1)
     assert [s.think_times_s for s in next_rate] == [s.think_times_s for s in scripts]
     assert (
@@ -95,9 +96,9 @@ def test_think_times_are_exponential_with_the_mean_and_zero_when_off(tokenizer):
 
 
 class _ChatBackend:
-    """Answers each request after `reply_s` with a reply naming the request's number and last message,
-    `prompt_len` 10 and `kv_bytes` 1000 per message sent; remembers every request's messages; fails a
-    request whose last message is one of `fail_messages`."""
+    """Answers each request after `reply_s` with a reply naming the request's number and last
+    message, `prompt_len` 10 and `kv_bytes` 1000 per message sent; remembers every request's
+    messages; fails a request whose last message is one of `fail_messages`."""
 
     def __init__(self, reply_s: float = 0.01, fail_messages: frozenset = frozenset()):
         self.reply_s = reply_s
@@ -149,7 +150,8 @@ def test_every_turn_sends_the_whole_history_with_the_real_replies(tokenizer):
                     *mine[turn - 1],
                     ("assistant", f"reply {reply_index} to {mine[turn - 1][-1][1][:10]!r}"),
                 )
-    # The per-turn figures follow the fake's numbers: 20, 40, 60 prompt tokens; 2000, 4000, 6000 KV bytes.
+    # The per-turn figures follow the fake's numbers: 20, 40, 60 prompt tokens; 2000, 4000, 6000 KV
+    # bytes.
     per_turn = result["per_turn"]
     assert [t["turn"] for t in per_turn] == [1, 2, 3] and all(t["completed"] == 3 for t in per_turn)
     assert [t["mean_input_tokens"] for t in per_turn] == [20, 40, 60]
@@ -232,7 +234,8 @@ def test_per_turn_figures_by_hand():
     assert turn1["mean_input_tokens"] == pytest.approx(100)
     assert turn1["p50_ttft_ms"] == pytest.approx(200) and turn1["p99_ttft_ms"] == pytest.approx(298)
     assert turn1["mean_kv_bytes"] == pytest.approx(6144) and turn1["mean_cached_prompt_tokens"] == 0
-    # Turn 2: the failed request counts only as failed; KV and cached tokens average over those reporting them.
+    # Turn 2: the failed request counts only as failed; KV and cached tokens average over those
+    # reporting them.
     assert (turn2["completed"], turn2["failed"]) == (2, 1)
     assert turn2["mean_input_tokens"] == pytest.approx(210)
     assert turn2["p50_ttft_ms"] == pytest.approx(100) and turn2["p99_ttft_ms"] == pytest.approx(149)

@@ -1,5 +1,6 @@
-"""bf16 end to end (the dtype the benchmarks serve): a disaggregated system (1 prefill + 1 decode, ray
-transport) gives the single-process bf16 engine's greedy tokens for the same prompt token ids."""
+"""bf16 end to end (the dtype the benchmarks serve): a disaggregated system (1 prefill + 1 decode,
+ray transport) gives the single-process bf16 engine's greedy tokens for the same prompt token
+ids."""
 
 import time
 
@@ -16,7 +17,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def expected():
-    """Each prompt alone through the engine (batch of one, as the system below serves them), one thread."""
+    """Each prompt alone through the engine (batch of one, as the system below serves them), one
+    thread."""
     engine = LLMEngine(
         EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20)
     )
@@ -47,8 +49,9 @@ def test_bf16_system_equals_the_bf16_engine(bf16_system, expected):
             assert served.token_ids == reference.token_ids, prompt
             assert served.text == reference.text and served.finish_reason == reference.finish_reason
             assert served.prefill_worker == "prefill-0" and served.decode_worker == "decode-0"
-            # The prompt's KV went across in bf16: all of it the first time; later, only the blocks after the
-            # chat template's system prompt, which the decode worker holds by then (prefix routing).
+            # The prompt's KV went across in bf16: all of it the first time; later, only the blocks
+            # after the chat template's system prompt, which the decode worker holds by then (prefix
+            # routing).
             blocks = -(-len(prompt) // layout.block_size_tokens)
             shipped, whole = served.timings.kv_bytes, blocks * layout.bytes_per_block
             assert shipped == whole if prompt is references[0][0] else 0 < shipped < whole
@@ -59,17 +62,19 @@ def test_bf16_system_equals_the_bf16_engine(bf16_system, expected):
 
 @pytest.fixture(scope="module")
 def bf16_pair(harness):
-    """1 prefill + 2 decode workers in bf16 over grpc: a decode worker dies, the other takes the stream."""
+    """1 prefill + 2 decode workers in bf16 over grpc: a decode worker dies, the other takes the
+    stream."""
     system = harness.start(dtype="bfloat16", transport="grpc", num_prefill=1, num_decode=2)
     yield system
     system.stop()
 
 
 def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_tokens_sent(bf16_pair):
-    """bf16's guarantee (docs/reliability.md): greedy tokens depend on the batch a request shares, so a
-    migrated stream need not equal an unfaulted run's. What holds: the client gets every token once, in
-    order, with none repeated or missing, and what follows the cut is the greedy continuation of the prompt
-    plus the tokens already sent (what the single-process bf16 engine gives for that, alone)."""
+    """bf16's guarantee (docs/reliability.md): greedy tokens depend on the batch a request shares,
+    so a migrated stream need not equal an unfaulted run's. What holds: the client gets every token
+    once, in order, with none repeated or missing, and what follows the cut is the greedy
+    continuation of the prompt plus the tokens already sent (what the single-process bf16 engine
+    gives for that, alone)."""
     import ray
 
     from tests.test_faults import MAX_TOKENS as FAULT_MAX_TOKENS, PROMPT, _Stream, _wait_healed
@@ -96,10 +101,11 @@ def test_a_bf16_stream_whose_decode_worker_dies_continues_from_exactly_the_token
     config = EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20)
     loaded = LLMEngine(config).loaded
     prompt = loaded.tokenizer.encode(PROMPT)
-    # The router cut the stream at the tokens it had received when the worker died: at least those the
-    # client had seen, at most a few more that were on their way. It re-prefilled prompt + those tokens
-    # on the prefill worker, which held the prompt's blocks from the first prefill (bf16 rounds a prefix
-    # read from the cache otherwise than one computed in the same pass): the reference does the same.
+    # The router cut the stream at the tokens it had received when the worker died: at least those
+    # the client had seen, at most a few more that were on their way. It re-prefilled prompt + those
+    # tokens on the prefill worker, which held the prompt's blocks from the first prefill (bf16
+    # rounds a prefix read from the cache otherwise than one computed in the same pass): the
+    # reference does the same.
     continuations = []
     for cut in range(sent_before_kill, min(sent_before_kill + 8, FAULT_MAX_TOKENS)):
         engine = LLMEngine(config, loaded=loaded)

@@ -1,5 +1,5 @@
-"""Lending idle cores between a node's workers (runtime/cores.py). Two `CoreShare`s in one process hold
-their locks through separate open files, so they contend exactly as two worker processes do."""
+"""Lending idle cores between a node's workers (runtime/cores.py). Two `CoreShare`s in one process
+hold their locks through separate open files, so they contend exactly as two worker processes do."""
 
 import json
 import os
@@ -180,9 +180,9 @@ def test_the_policy_is_checked():
 def test_a_decoding_worker_lends_its_core_to_an_asking_prefill_within_its_slack_and_gets_it_back(
     node,
 ):
-    """Sharing by the SLO: a prefill step asks for a busy worker's core; the busy worker, between two
-    decode steps, lends it for at most its streams' slack; the prefill takes it at its next layer and
-    hands it back at the one after the owner wants it."""
+    """Sharing by the SLO: a prefill step asks for a busy worker's core; the busy worker, between
+    two decode steps, lends it for at most its streams' slack; the prefill takes it at its next
+    layer and hands it back at the one after the owner wants it."""
     prefill, decoder = node(lend="all", tpot_budget_s=0.05), node(lend="all", tpot_budget_s=0.05)
     decoder.busy()
     assert decoder.lend_within(1.0) == 0.0  # nobody asks
@@ -234,7 +234,8 @@ def test_the_slack_is_what_the_tightest_stream_that_can_still_meet_the_budget_ca
     young = StreamProgress(output_tokens=10, max_tokens=100, decoding_s=0.3)
     # 5 steps to its max_tokens: 0.75 * 0.05 * 64 - 1.6 - 5 * 0.03 = 0.65 s
     old = StreamProgress(output_tokens=60, max_tokens=64, decoding_s=1.6)
-    # behind its share (0.0375 * 74 - 1.0 - 1.95 < 0) but within the budget (3.7 - 2.95 > 0): no lending
+    # behind its share (0.0375 * 74 - 1.0 - 1.95 < 0) but within the budget (3.7 - 2.95 > 0): no
+    # lending
     behind = StreamProgress(output_tokens=10, max_tokens=100, decoding_s=1.0)
     # misses the budget whatever happens (3.7 - 2.0 - 1.95 < 0): holds nothing back
     late = StreamProgress(output_tokens=10, max_tokens=100, decoding_s=2.0)

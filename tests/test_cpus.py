@@ -1,5 +1,5 @@
-"""The one CPU count (runtime/cpus.py) against fake cgroup trees: the affinity mask lowered to the CPU
-quota, v2 and v1, the quota of an ancestor cgroup, none set."""
+"""The one CPU count (runtime/cpus.py) against fake cgroup trees: the affinity mask lowered to the
+CPU quota, v2 and v1, the quota of an ancestor cgroup, none set."""
 
 import pytest
 
@@ -90,7 +90,8 @@ def test_the_smallest_quota_on_the_way_to_the_root_counts(host):
 
 
 def test_a_process_path_absent_under_the_mount_falls_back_to_the_mount_root(host):
-    """A container without its own cgroup namespace: /proc names the host's path, the mount is its cgroup."""
+    """A container without its own cgroup namespace: /proc names the host's path, the mount is its
+    cgroup."""
     host.write("cpu.max", "200000 100000\n", "0::/docker/abc123\n")
     assert host.cpus() == 2
 

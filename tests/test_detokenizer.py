@@ -1,4 +1,5 @@
-"""Streaming detokenization: token by token it must add up to the full decode, and stop strings cut it."""
+"""Streaming detokenization: token by token it must add up to the full decode, and stop strings cut
+it."""
 
 import pytest
 
@@ -49,7 +50,8 @@ def _output_ids(tokenizer, text):
 
 
 def test_sample_splits_characters_across_tokens(tokenizer):
-    # Without tokens that end inside a UTF-8 character, the streaming tests below would prove nothing.
+    # Without tokens that end inside a UTF-8 character, the streaming tests below would prove
+    # nothing.
     ids = _output_ids(tokenizer, "😀日本語")
     assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
 

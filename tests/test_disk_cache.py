@@ -1,4 +1,5 @@
-"""The disk cache of GGUF metadata and dequantized weights: used when fresh, never when stale or broken."""
+"""The disk cache of GGUF metadata and dequantized weights: used when fresh, never when stale or
+broken."""
 
 import logging
 import os
@@ -58,7 +59,8 @@ def test_a_second_load_reads_the_cache_and_gives_the_same_model(cache, parses, d
 
 
 def _assert_served_in_place(built, mapped, entry):
-    """`mapped`'s linears read the cache entry's pages, with no copy, and compute what `built`'s do."""
+    """`mapped`'s linears read the cache entry's pages, with no copy, and compute what `built`'s
+    do."""
     ranges = _mapped_ranges(entry)
     layers = [m for m in mapped.model.modules() if isinstance(m, TransposedLinear)]
     assert len(layers) == 1 + 4 * built.config.num_layers  # the tied head and each layer's four
@@ -101,8 +103,8 @@ def test_a_model_over_serving_tensors_that_do_not_fit_is_a_value_error_naming_th
 
 
 def _weights_kind(dtype):
-    """fp32 on a CPU serves transposed linears, and those are cached as they serve; other layouts are
-    cached as dequantized."""
+    """fp32 on a CPU serves transposed linears, and those are cached as they serve; other layouts
+    are cached as dequantized."""
     name = str(dtype).removeprefix("torch.")
     return (
         f"serving-{name}-transposed" if transposing_supported(dtype, "cpu") else f"weights-{name}"
@@ -120,8 +122,8 @@ def _mapped_ranges(path):
 
 
 def test_entries_follow_the_file_content_not_its_path(cache, parses, default_gguf, tmp_path):
-    """A copy elsewhere (another checkout's model) reads the same entries; a touched file is hashed again
-    and still matches; a changed file is parsed again, into an entry of its own."""
+    """A copy elsewhere (another checkout's model) reads the same entries; a touched file is hashed
+    again and still matches; a changed file is parsed again, into an entry of its own."""
     load_tokenizer(str(default_gguf))
     assert len(parses) == 1
     copy = tmp_path / default_gguf.name

@@ -193,7 +193,8 @@ def test_a_kv_cache_smaller_than_the_context_bounds_what_is_served(tiny):
     assert engine.max_model_len == 48 < tiny.config.max_context_tokens
     with pytest.raises(RequestError, match="serves 48 tokens of context"):
         engine.add_request("long", list(range(3, 51)), SamplingParams(max_tokens=3))
-    # Alone in the cache, a sequence that would outgrow it ends at the served context, not preempting itself.
+    # Alone in the cache, a sequence that would outgrow it ends at the served context, not
+    # preempting itself.
     engine.add_request(
         "grows", list(range(3, 13)), SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
     )

@@ -1,6 +1,7 @@
-"""The engine loop's timing decisions (runtime/engine_loop.py): calls that may run at a layer boundary of a
-step under way, and how long a decoding worker's streams can wait for a prefill that asks for its cores
-(the TPOT slack). The loop's thread is stopped first, so the test drives the loop by hand."""
+"""The engine loop's timing decisions (runtime/engine_loop.py): calls that may run at a layer
+boundary of a step under way, and how long a decoding worker's streams can wait for a prefill that
+asks for its cores (the TPOT slack). The loop's thread is stopped first, so the test drives the loop
+by hand."""
 
 import asyncio
 import time

@@ -1,10 +1,11 @@
-"""Fault injection: a real worker actor killed with `ray.kill` while it holds a request in a known phase
-(queued, mid-prefill, mid-transfer, mid-decode), on both KV transports and in colocated mode. The
-request must recover: output identical to an undisturbed run, exactly one migration, inside a bound.
-Each request is held in its phase by the workers' test fault points (runtime.parking.Parking),
-not placed there by a sleep, and the worker killed is the one that holds it. Afterwards every worker is
-back (the dead one replaced) and every live worker's KV is free; a worker that does not answer is never
-counted as free. With migrations exhausted, the request fails cleanly (UNAVAILABLE, at once)."""
+"""Fault injection: a real worker actor killed with `ray.kill` while it holds a request in a known
+phase (queued, mid-prefill, mid-transfer, mid-decode), on both KV transports and in colocated mode.
+The request must recover: output identical to an undisturbed run, exactly one migration, inside a
+bound. Each request is held in its phase by the workers' test fault points
+(runtime.parking.Parking), not placed there by a sleep, and the worker killed is the one that holds
+it. Afterwards every worker is back (the dead one replaced) and every live worker's KV is free; a
+worker that does not answer is never counted as free. With migrations exhausted, the request fails
+cleanly (UNAVAILABLE, at once)."""
 
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def _wait_healed(system, timeout_s: float = 90) -> None:
 
 
 class _Stream:
-    """One greedy request streamed on a thread of its own: its tokens, final message, or gRPC error."""
+    """One greedy request streamed on a thread of its own: its tokens, final message, or gRPC
+    error."""
 
     def __init__(self, system, request_id: str):
         self.tokens: list[int] = []
@@ -149,9 +151,9 @@ class _Stream:
 
 
 def _hold_and_kill(system, phase: str, request_id: str, kill_sender: bool = False):
-    """Sends a request, holds it in `phase` on whichever worker it reaches, kills the worker holding it
-    (in "transfer": the decode worker receiving its KV, or with `kill_sender` the prefill worker sending
-    it); returns the killed worker's id and the stream."""
+    """Sends a request, holds it in `phase` on whichever worker it reaches, kills the worker holding
+    it (in "transfer": the decode worker receiving its KV, or with `kill_sender` the prefill worker
+    sending it); returns the killed worker's id and the stream."""
     import ray
 
     router = system.system.router
@@ -199,14 +201,15 @@ def _hold_and_kill(system, phase: str, request_id: str, kill_sender: bool = Fals
 
 @pytest.mark.parametrize("phase", ["queued", "prefill", "transfer", "transfer-sender", "decode"])
 def test_the_worker_holding_a_request_killed_in_each_phase_recovers_it_exactly(system, phase):
-    """The worker holding the request in `phase` is killed ("transfer": the decode worker receiving its
-    KV; "transfer-sender": the prefill worker streaming it, over grpc, held between a layer group's
-    header and its payload)."""
+    """The worker holding the request in `phase` is killed ("transfer": the decode worker receiving
+    its KV; "transfer-sender": the prefill worker streaming it, over grpc, held between a layer
+    group's header and its payload)."""
     if phase not in PHASES[system.config.mode] + (
         ("transfer-sender",) if system.config.transport == "grpc" else ()
     ):
-        # By design, not for a missing tool: colocated mode has no KV transfer; the ray transport's KV
-        # is in the node's object store before the decode worker reads it, so no sender is mid-stream.
+        # By design, not for a missing tool: colocated mode has no KV transfer; the ray transport's
+        # KV is in the node's object store before the decode worker reads it, so no sender is
+        # mid-stream.
         pytest.skip(f"no {phase} phase in {system.name}")
     reference = _reference(system)
     router = system.system.router
@@ -236,7 +239,8 @@ def test_the_worker_holding_a_request_killed_in_each_phase_recovers_it_exactly(s
     RESULTS[f"{system.name}/{phase}"]["leaked_blocks"] = 0
 
 
-# The router's and the healer's own paths: the transport is not in them (one disaggregated system each).
+# The router's and the healer's own paths: the transport is not in them (one disaggregated system
+# each).
 @pytest.mark.parametrize("system", ["disaggregated/ray", "colocated/ray"], indirect=True)
 def test_with_migrations_exhausted_the_request_fails_cleanly_at_once(system):
     router = system.system.router
@@ -256,8 +260,8 @@ def test_with_migrations_exhausted_the_request_fails_cleanly_at_once(system):
 
 @pytest.mark.parametrize("system", ["disaggregated/grpc", "colocated/ray"], indirect=True)
 def test_a_worker_cut_off_from_the_router_is_killed_and_replaced(system):
-    """Its process lives but its token stream ended: the healer must kill it (its CPUs and KV come back)
-    and start a replacement."""
+    """Its process lives but its token stream ended: the healer must kill it (its CPUs and KV come
+    back) and start a replacement."""
     import ray
 
     router = system.system.router
@@ -307,7 +311,8 @@ def test_no_prefill_worker_left_is_unavailable_at_once(harness):
             and "prefill" in failure.value.details()
         )
         assert time.monotonic() - started < 15
-        # Over streaming HTTP, a failure before the first token is an error status with OpenAI's body, not a 200.
+        # Over streaming HTTP, a failure before the first token is an error status with OpenAI's
+        # body, not a 200.
         body = json.dumps(
             {
                 "model": lonely.system.config.model_name,

@@ -1,6 +1,6 @@
 """The fused bf16 elementwise kernels (engine/fused_ops.py) against torch's ops: the same to bf16
-rounding (they round once where torch rounds after each op), and a bf16 model that uses them gives the
-same greedy tokens as one that does not, for a short answer."""
+rounding (they round once where torch rounds after each op), and a bf16 model that uses them gives
+the same greedy tokens as one that does not, for a short answer."""
 
 import pytest
 import torch

@@ -1,7 +1,8 @@
-"""The parsers under hypothesis (bounded examples): OpenAI request bodies (the pure parser, then over
-HTTP), `GenerateRequest` (the validator, then over gRPC) and the KV wire header decoder. Any input gives
-the module's typed client error (a 4xx / INVALID_ARGUMENT naming the field, a `KVTransferError`) or a
-valid request that is then served; never another exception, a 5xx, INTERNAL or a stuck server."""
+"""The parsers under hypothesis (bounded examples): OpenAI request bodies (the pure parser, then
+over HTTP), `GenerateRequest` (the validator, then over gRPC) and the KV wire header decoder. Any
+input gives the module's typed client error (a 4xx / INVALID_ARGUMENT naming the field, a
+`KVTransferError`) or a valid request that is then served; never another exception, a 5xx, INTERNAL
+or a stuck server."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ SERVED_MAX_TOKENS = 3  # a valid fuzzed request is served, but cheaply
 
 # -- strategies ------------------------------------------------------------------------------------
 
-# Lone surrogates are legal in JSON ("\ud800") though not in UTF-8; control and format characters too.
+# Lone surrogates are legal in JSON ("\ud800") though not in UTF-8; control and format characters
+# too.
 WILD_TEXT = st.text(
     st.characters(categories=["L", "N", "P", "S", "Z", "Cc", "Cf", "Cs"]), max_size=24
 ) | st.sampled_from(
@@ -106,7 +108,8 @@ FIELD_VALUES = JSON_VALUES | st.sampled_from(
 def _mostly(
     plausible: st.SearchStrategy, wild: st.SearchStrategy = FIELD_VALUES
 ) -> st.SearchStrategy:
-    """`plausible` 4 times in 5, else `wild`, so that most inputs get past the first field checked."""
+    """`plausible` 4 times in 5, else `wild`, so that most inputs get past the first field
+    checked."""
     return st.integers(0, 4).flatmap(lambda i: wild if i == 4 else plausible)
 
 
@@ -157,8 +160,8 @@ PLAUSIBLE = {
 
 @st.composite
 def openai_bodies(draw, chat: bool, model: str) -> dict:
-    """Bodies with OpenAI's structure (a few known fields, mostly plausible values, sometimes wild ones,
-    sometimes an unknown field), or any JSON object."""
+    """Bodies with OpenAI's structure (a few known fields, mostly plausible values, sometimes wild
+    ones, sometimes an unknown field), or any JSON object."""
     if draw(st.integers(0, 9)) == 9:
         return draw(st.dictionaries(WILD_TEXT, JSON_VALUES, max_size=5))
     body = {
@@ -207,8 +210,8 @@ UNKNOWN_FIELD = bytes([0x98, 0x06, 0x01])
 
 @st.composite
 def generate_requests(draw) -> "pb.GenerateRequest":
-    """Any `GenerateRequest` the protobuf types allow, each field mostly plausible, sometimes wild, with
-    now and then an unknown field (top level or in `sampling`)."""
+    """Any `GenerateRequest` the protobuf types allow, each field mostly plausible, sometimes wild,
+    with now and then an unknown field (top level or in `sampling`)."""
     token_ids = st.lists(_mostly(st.integers(0, VOCAB - 1), U32), max_size=6)
     sampling = pb.SamplingParams(
         stop=draw(st.lists(PROTO_TEXT, max_size=2)),
@@ -267,7 +270,8 @@ def limits(tokenizer):
 
 
 def expected_openai(body, chat: bool, model: str, tokenizer, limits):
-    """(status, parsed, validated) as the front door must answer `body`: a 4xx, or 200 with the request."""
+    """(status, parsed, validated) as the front door must answer `body`: a 4xx, or 200 with the
+    request."""
     try:
         parsed = parse_request(body, chat, model, uuid.uuid4().hex)
     except ApiError as error:
@@ -291,7 +295,8 @@ def expected_grpc(request, tokenizer, limits):
 
 
 def check_valid(validated, limits) -> None:
-    """What an accepted request must be: a prompt of in-vocabulary tokens, room for its output, an id."""
+    """What an accepted request must be: a prompt of in-vocabulary tokens, room for its output, an
+    id."""
     assert validated.prompt_ids, "accepted a prompt that tokenizes to no tokens"
     assert all(0 <= t < limits.vocab_size for t in validated.prompt_ids)
     assert 1 <= validated.params.max_tokens <= limits.max_context_tokens - len(validated.prompt_ids)
@@ -299,7 +304,8 @@ def check_valid(validated, limits) -> None:
 
 
 def servable(validated) -> bool:
-    """Accepted by the validator and worth serving; one with no prompt tokens must be refused (check_valid)."""
+    """Accepted by the validator and worth serving; one with no prompt tokens must be refused
+    (check_valid)."""
     return validated is not None and bool(validated.prompt_ids)
 
 
@@ -373,7 +379,8 @@ def _decodes_typed(data: bytes) -> None:
         header = KVGroupHeader.decode(data, FP32)
     except KVTransferError:
         return
-    # Accepted: every field has its exact type (4.0 or True for an int would flow into tensor shapes).
+    # Accepted: every field has its exact type (4.0 or True for an int would flow into tensor
+    # shapes).
     for name, kind in typing.get_type_hints(KVGroupHeader).items():
         assert type(getattr(header, name)) is kind, f"{name}={getattr(header, name)!r}"
     for field in dataclasses.fields(FP32):
@@ -431,8 +438,8 @@ def test_the_unmutated_header_decodes():
 
 @pytest.mark.parametrize("index", range(4))
 def test_a_layout_number_sent_as_a_float_is_refused(index):
-    """Found by the mutation fuzz: 4.0 == 4, so a float passes the layout comparison unless typed. The
-    receiver refuses it with an error naming the field, rather than converting it."""
+    """Found by the mutation fuzz: 4.0 == 4, so a float passes the layout comparison unless typed.
+    The receiver refuses it with an error naming the field, rather than converting it."""
     fields = msgpack.unpackb(VALID_HEADER.encode())
     name = dataclasses.fields(FP32)[index].name
     sent = float(fields["layout"][index])
@@ -483,7 +490,8 @@ def _cheap(body: dict, parsed) -> dict:
 def check_http(
     served, chat: bool, raw: bytes, content_type="application/json", expected=None
 ) -> None:
-    """POSTs `raw`; the answer is `expected` (when known) and never a 5xx; a 200 is a whole answer."""
+    """POSTs `raw`; the answer is `expected` (when known) and never a 5xx; a 200 is a whole
+    answer."""
     status, headers, answer = post(
         served, "/v1/chat/completions" if chat else "/v1/completions", raw, content_type
     )
@@ -501,7 +509,8 @@ def check_http(
 
 
 def check_http_body(served, chat: bool, body: dict) -> None:
-    """`body` sent as JSON: the status the parser gives locally (a valid one is served, with few tokens)."""
+    """`body` sent as JSON: the status the parser gives locally (a valid one is served, with few
+    tokens)."""
     router, model = served.system.router, served.config.model_name
     try:
         status, parsed, validated = expected_openai(
@@ -545,7 +554,8 @@ def test_fuzzed_http_bytes_and_content_types_get_a_4xx(served, chat, raw, conten
 
 
 # Inputs the fuzz found or that sit on an edge, always sent (the fuzz may not draw them every run).
-# Lone surrogates are valid JSON ("\ud800") but not encodable as UTF-8: found by the fuzz (HTTP 500).
+# Lone surrogates are valid JSON ("\ud800") but not encodable as UTF-8: found by the fuzz (HTTP
+# 500).
 EDGE_BODIES = {
     "surrogate-prompt": (False, {"prompt": "a\ud800b"}),
     "surrogate-content": (True, {"messages": [{"role": "user", "content": "\udfff"}]}),
@@ -576,7 +586,8 @@ def test_edge_bodies_get_a_4xx_or_are_served(served, chat, fields):
 
 
 def check_grpc(served, stub, request: "pb.GenerateRequest") -> None:
-    """INVALID_ARGUMENT exactly when the validator refuses it locally; otherwise served (few tokens)."""
+    """INVALID_ARGUMENT exactly when the validator refuses it locally; otherwise served (few
+    tokens)."""
     validated = expected_grpc(request, served.system.router.tokenizer, served.system.limits)
     validated = validated if servable(validated) else None
     # a copy: hypothesis may show the original
@@ -647,7 +658,8 @@ def test_fuzzed_grpc_bytes_get_invalid_argument_or_are_served(served, channel, s
 
 
 def test_the_server_still_serves_after_the_fuzz(served, stub):
-    """Runs after the fuzz (file order): nothing is left running or holding KV, and both doors answer."""
+    """Runs after the fuzz (file order): nothing is left running or holding KV, and both doors
+    answer."""
     stats = served.wait_idle()
     assert stats.requests_in_flight == 0 and all(
         w.kv_blocks_free == w.kv_blocks_total for w in stats.workers

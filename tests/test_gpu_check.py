@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py, the device check of #17, in its CPU mode: every section's code path on a tiny
-model (and the default one, one prompt), so the GPU run finds no bug that a CPU could have shown."""
+"""scripts/gpu_check.py, the device check of #17, in its CPU mode: every section's code path on a
+tiny model (and the default one, one prompt), so the GPU run finds no bug that a CPU could have
+shown."""
 
 import json
 import subprocess

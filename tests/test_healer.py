@@ -1,4 +1,5 @@
-"""The healer asks only workers it has not heard from lately (without Ray: stand-in actor handles)."""
+"""The healer asks only workers it has not heard from lately (without Ray: stand-in actor
+handles)."""
 
 import asyncio
 import time

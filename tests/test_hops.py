@@ -1,8 +1,8 @@
-"""The KV handoff goes worker to worker (issue #31, "fewer hops"): the prefill worker admits the request
-on its decode worker and the decode worker acknowledges the KV to it, so neither waits for the router.
-Shown on a real system by stalling the router's event loop right after the first token reached the
-client: meanwhile the prefill worker's blocks are freed (acknowledged by the decode worker) and the
-decode worker runs the request; the output is the same as an undisturbed run's."""
+"""The KV handoff goes worker to worker (issue #31, "fewer hops"): the prefill worker admits the
+request on its decode worker and the decode worker acknowledges the KV to it, so neither waits for
+the router. Shown on a real system by stalling the router's event loop right after the first token
+reached the client: meanwhile the prefill worker's blocks are freed (acknowledged by the decode
+worker) and the decode worker runs the request; the output is the same as an undisturbed run's."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ STALL_S = 4.0
 
 @pytest.fixture(scope="module", params=["ray", "grpc"])
 def system(request, harness):
-    # a lease far longer than the stall: only an acknowledgement can free the prefill worker's blocks
+    # a lease far longer than the stall: only an acknowledgement can free the prefill worker's
+    # blocks
     running = harness.start(
         mode="disaggregated", transport=request.param, num_prefill=1, num_decode=1, kv_timeout_s=60
     )
@@ -26,8 +27,8 @@ def system(request, harness):
 
 
 def _generate(system, request_id: str, stall_router_s: float = 0.0):
-    """The request's tokens; with `stall_router_s`, the router's loop is blocked for that long as soon
-    as the first token arrived, and the workers' state sampled meanwhile."""
+    """The request's tokens; with `stall_router_s`, the router's loop is blocked for that long as
+    soon as the first token arrived, and the workers' state sampled meanwhile."""
     import ray
 
     prefill = system.system.router.prefill_pool.workers[0].actor
@@ -59,7 +60,8 @@ def test_the_handoff_needs_no_router(system):
     reference, _ = _generate(system, "hops-reference")
     tokens, during_stall = _generate(system, "hops-stalled", stall_router_s=STALL_S)
     assert tokens == reference and len(tokens) == MAX_TOKENS
-    # while the router could do nothing, the decode worker acknowledged the KV to the prefill worker ...
+    # while the router could do nothing, the decode worker acknowledged the KV to the prefill worker
+    # ...
     prefill_free = [p.kv_blocks_free == p.kv_blocks_total for p, _ in during_stall]
     assert prefill_free and prefill_free[-1], during_stall
     # ... and decoded the request (admitted by the prefill worker, not by the router)

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API of a live system (real Ray actors, loopback), driven by the official
-`openai` client, against the gRPC path for the same greedy requests; and /metrics."""
+"""The OpenAI-compatible HTTP API of a live system (real Ray actors, loopback), driven by the
+official `openai` client, against the gRPC path for the same greedy requests; and /metrics."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The `ray` transport's same-GPU path (kvtransfer/cuda_ipc.py) on CPU: the two CUDA IPC calls (share a
-device buffer, open it in another process) are replaced by a registry in this process, and the device
-is given a UUID; everything else (device staging, device checksum, the delivery, the UUID check, the
-copy and install, buffers held until ack) runs as it does on a GPU. The IPC calls themselves run only
-on a GPU: scripts/gpu_serve_check.py's `8b_ipc` section."""
+"""The `ray` transport's same-GPU path (kvtransfer/cuda_ipc.py) on CPU: the two CUDA IPC calls
+(share a device buffer, open it in another process) are replaced by a registry in this process, and
+the device is given a UUID; everything else (device staging, device checksum, the delivery, the UUID
+check, the copy and install, buffers held until ack) runs as it does on a GPU. The IPC calls
+themselves run only on a GPU: scripts/gpu_serve_check.py's `8b_ipc` section."""
 
 import pytest
 import torch
@@ -13,7 +13,8 @@ from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd
 
 @pytest.fixture
 def shared_on_one_device(monkeypatch):
-    """CPU tensors stand for one GPU's memory: `share` registers a buffer, `open_shared` returns it."""
+    """CPU tensors stand for one GPU's memory: `share` registers a buffer, `open_shared` returns
+    it."""
     shared: dict[int, torch.Tensor] = {}
 
     def share(buffer):

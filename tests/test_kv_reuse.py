@@ -1,7 +1,7 @@
 """KV reuse across the system (issue #16): the allocators' hash events, reservations that reuse the
-decode worker's cached prefix, the router's prefix index and scoring, and real multi-turn conversations
-on both transports whose later turns go where their history is cached, ship only the new blocks and
-stay token-identical to a cold run."""
+decode worker's cached prefix, the router's prefix index and scoring, and real multi-turn
+conversations on both transports whose later turns go where their history is cached, ship only the
+new blocks and stay token-identical to a cold run."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def test_decoded_blocks_become_cached_when_a_sequence_finishes(smollm_fp32):
 
 
 def _group(cache: PagedKVCache, source_blocks: list[int], request_id: str):
-    """One layer group of every layer, as a transport hands it to `install`: (header, payload bytes)."""
+    """One layer group of every layer, as a transport hands it to `install`: (header, payload
+    bytes)."""
     data = as_bytes_view(cache.export_blocks(source_blocks))
     layout = cache.layout
     header = KVGroupHeader(
@@ -185,7 +186,8 @@ def test_a_prompt_whose_prefix_the_decode_worker_holds_prefills_there():
     assert decide(auto, 600, 0, 0, remote_cached_tokens=0, local_cached_tokens=560) == Decision(
         "local", "prefix_hit"
     )
-    # Not short enough, but far less to compute there than on the prefill pool (which holds none of it):
+    # Not short enough, but far less to compute there than on the prefill pool (which holds none of
+    # it):
     assert decide(auto, 600, 0, 0, remote_cached_tokens=0, local_cached_tokens=500) == Decision(
         "local", "prefix_hit"
     )
@@ -234,7 +236,8 @@ def _cold(smollm_fp32, prompt_ids: list[int], max_tokens: int) -> list[int]:
 
 
 def _turn(system, prompt_ids: list[int], max_tokens: int = 10, **router_config):
-    """One greedy request; with `router_config`, under those RouterConfig fields (the system's own after)."""
+    """One greedy request; with `router_config`, under those RouterConfig fields (the system's own
+    after)."""
     router = system.system.router
     own = router.config
     router.config = dataclasses.replace(own, **router_config)

@@ -1,4 +1,5 @@
-"""kvtransfer without Ray: wire format, ledgers, and the grpc transport with both ends in this process."""
+"""kvtransfer without Ray: wire format, ledgers, and the grpc transport with both ends in this
+process."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def wait_for(predicate, timeout_s: float = 5.0, interval_s: float = 0.01):
 
 @pytest.fixture
 def ends():
-    """(sender end, receiver end) factories; every end must be back to all blocks free afterwards."""
+    """(sender end, receiver end) factories; every end must be back to all blocks free
+    afterwards."""
     made: list[KVEnd] = []
 
     def make(layout: KVLayout = FP32) -> KVEnd:
@@ -90,7 +92,8 @@ def open_handoff(
     lease_s: float | None = None,
     first_layers: slice = slice(0, 1),
 ) -> list[int]:
-    """Allocates, reserves, starts request "r" and ships its first layer group; returns the sender's blocks."""
+    """Allocates, reserves, starts request "r" and ships its first layer group; returns the sender's
+    blocks."""
     blocks = sender_end.allocator.allocate(num_blocks)
     receiver.reserve("r", num_blocks, timeout_s=reserve_timeout_s)
     sender.start("r", blocks, receiver.address, **({} if lease_s is None else {"lease_s": lease_s}))
@@ -99,7 +102,8 @@ def open_handoff(
 
 
 def settle(sender, receiver, request_id: str, timeout_s: float = 5.0):
-    """Poll both sides until the request settles on each; returns (receiver ready/failed, sender events)."""
+    """Poll both sides until the request settles on each; returns (receiver ready/failed, sender
+    events)."""
     outcome = {}
 
     def done():

@@ -1,4 +1,5 @@
-"""kvtransfer's `ray` transport, and both transports between real Ray actors, on a local 127.0.0.1 cluster."""
+"""kvtransfer's `ray` transport, and both transports between real Ray actors, on a local 127.0.0.1
+cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 import pytest
 import torch
 
-# Read when ray is imported: with it, Ray 2.60 binds all its servers to 127.0.0.1 (checked with ss -ltnp).
+# Read when ray is imported: with it, Ray 2.60 binds all its servers to 127.0.0.1 (checked with ss
+# -ltnp).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray  # noqa: E402
 

@@ -1,5 +1,6 @@
-"""kvtransfer's `rdt` transport (Ray Direct Transport over gloo) between real Ray actors in one collective
-group, on a local 127.0.0.1 cluster: the checks the `ray` transport passes, and the rdt-specific ones."""
+"""kvtransfer's `rdt` transport (Ray Direct Transport over gloo) between real Ray actors in one
+collective group, on a local 127.0.0.1 cluster: the checks the `ray` transport passes, and the
+rdt-specific ones."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def local_ray():
 
 
 class Pair:
-    """A sender actor and a receiver actor of one layout in one gloo group; the driver routes deliveries."""
+    """A sender actor and a receiver actor of one layout in one gloo group; the driver routes
+    deliveries."""
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
@@ -84,8 +86,8 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pairs(local_ray):
-    """One pair per layout for the module (a group takes a second or two to form); every test that uses one
-    must leave all its blocks free."""
+    """One pair per layout for the module (a group takes a second or two to form); every test that
+    uses one must leave all its blocks free."""
     made: dict[KVLayout, Pair] = {}
 
     def get(layout: KVLayout = FP32) -> Pair:
@@ -143,7 +145,8 @@ def test_rdt_actors_round_trip_is_bit_identical(pairs, layout, num_blocks, mode)
 
 
 def _flip_staged_byte(worker, request_id: str, layer_start: int, index: int) -> None:
-    """Corrupts a staged payload on the sender after its checksum was taken (as a bad link would)."""
+    """Corrupts a staged payload on the sender after its checksum was taken (as a bad link
+    would)."""
     staged = worker.side._staged[(request_id, layer_start)]
     staged[index] ^= 0x10
 
@@ -251,8 +254,8 @@ def test_device_checksum_is_the_weighted_word_sum_and_catches_a_flipped_bit():
 
 
 def test_a_tensor_payload_verified_by_the_device_checksum_installs_bit_identical_or_not_at_all():
-    """What the device branch of `RdtKVReceiver.install_payload` does, on CPU tensors: the payload stays a
-    tensor (no host bytes view) and its checksum is `device_checksum`."""
+    """What the device branch of `RdtKVReceiver.install_payload` does, on CPU tensors: the payload
+    stays a tensor (no host bytes view) and its checksum is `device_checksum`."""
     from kvtransfer.errors import ChecksumError
     from kvtransfer.rdt_transport import RdtKVReceiver
     from tests.kv_ends import KVEnd

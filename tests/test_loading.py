@@ -1,4 +1,5 @@
-"""Weight loading: HF directories (safetensors, Llama-3 RoPE scaling, Qwen2 biases), dummies, bad input."""
+"""Weight loading: HF directories (safetensors, Llama-3 RoPE scaling, Qwen2 biases), dummies, bad
+input."""
 
 import json
 
@@ -113,7 +114,8 @@ def test_bf16_cpu_models_use_packed_linears_that_match_f_linear_bit_for_bit(monk
     from engine.cpu_packing import DISABLE_ENV, PackedLinear, packing_supported
 
     monkeypatch.delenv(DISABLE_ENV, raising=False)
-    # The pinned torch build (scripts/bootstrap.sh) must have oneDNN and the packing ops: a failure, not a skip.
+    # The pinned torch build (scripts/bootstrap.sh) must have oneDNN and the packing ops: a failure,
+    # not a skip.
     assert torch.backends.mkldnn.is_available(), (
         f"torch {torch.__version__} was built without oneDNN"
     )
@@ -123,7 +125,8 @@ def test_bf16_cpu_models_use_packed_linears_that_match_f_linear_bit_for_bit(monk
     # a property of the CPU, not of the install
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip(
-            "this CPU lacks the ISA oneDNN needs for bf16 (x86: AVX-512 core or AVX2-VNNI-2; ARM: bf16)"
+            "this CPU lacks the ISA oneDNN needs for bf16 (x86: AVX-512 core or AVX2-VNNI-2; ARM: "
+            "bf16)"
         )
     assert packing_supported(torch.bfloat16, "cpu")
     loaded = load_model("dummy:tiny", torch.bfloat16)
@@ -197,8 +200,8 @@ def test_fp32_decode_batches_on_avx2_use_onednn_packed_weights_beside_the_transp
 
 
 def test_loading_the_default_model_does_not_import_torch_dynamo():
-    # Initialising parameters on the meta device imports torch._dynamo (a second of every worker's start);
-    # the model is built without doing so, and nothing else on the load path needs it.
+    # Initialising parameters on the meta device imports torch._dynamo (a second of every worker's
+    # start); the model is built without doing so, and nothing else on the load path needs it.
     import subprocess
     import sys
 

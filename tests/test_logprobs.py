@@ -1,10 +1,11 @@
 """Logprobs (issue #33): the engine's, and end to end through a real disaggregated system on both KV
-transports, by gRPC and by the official `openai` client (completions and chat, streamed and not, echo and
-prompt scoring), across a decode worker killed mid-stream; and the 400s of bad logprobs arguments.
+transports, by gRPC and by the official `openai` client (completions and chat, streamed and not,
+echo and prompt scoring), across a decode worker killed mid-stream; and the 400s of bad logprobs
+arguments.
 
-The reference values: the log-softmax (fp32) of the logits the single-process engine sampled each token
-from, captured from its model runner; for prompt tokens, a direct fp32 forward pass of HF transformers.
-Everything runs in fp32 (the harness pins it)."""
+The reference values: the log-softmax (fp32) of the logits the single-process engine sampled each
+token from, captured from its model runner; for prompt tokens, a direct fp32 forward pass of HF
+transformers. Everything runs in fp32 (the harness pins it)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ QUESTION = "Name three rivers in Europe."
 
 
 def _capturing_engine(loaded, **config) -> tuple[LLMEngine, list[torch.Tensor]]:
-    """A single-process engine whose model runner's logits (what each token is sampled from) are kept."""
+    """A single-process engine whose model runner's logits (what each token is sampled from) are
+    kept."""
     engine = LLMEngine(EngineConfig(kv_cache_bytes=32 << 20, **config), loaded=loaded)
     captured: list[torch.Tensor] = []
     for name in ("prefill", "decode"):
@@ -40,7 +42,8 @@ def _capturing_engine(loaded, **config) -> tuple[LLMEngine, list[torch.Tensor]]:
 
 
 def _reference(loaded, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens of the single-process engine and, per token, the log-softmax it was sampled from."""
+    """Greedy tokens of the single-process engine and, per token, the log-softmax it was sampled
+    from."""
     engine, captured = _capturing_engine(loaded)
     result = engine.generate(
         [prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -51,7 +54,8 @@ def _reference(loaded, prompt_ids: list[int], max_tokens: int) -> tuple[list[int
 
 
 def _hf_prompt_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    """Row p: the log-softmax that scores token p + 1 (a direct fp32 forward pass of HF transformers)."""
+    """Row p: the log-softmax that scores token p + 1 (a direct fp32 forward pass of HF
+    transformers)."""
     with torch.no_grad():
         logits = hf(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)
@@ -71,7 +75,7 @@ def _assert_matches(value: TokenLogprobs, row: torch.Tensor, token_id: int, num_
     assert [lp for _, lp in value.top] == sorted((lp for _, lp in value.top), reverse=True)
 
 
-# -- the engine ---------------------------------------------------------------------------------------
+# -- the engine ------------------------------------------------------------------------------------
 
 
 def test_engine_logprobs_are_the_log_softmax_of_the_logits_it_sampled_from(smollm_fp32):
@@ -138,7 +142,7 @@ def test_engine_prompt_logprobs_equal_a_direct_forward_pass_chunked_and_past_the
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
-# -- the wire and the OpenAI shapes ---------------------------------------------------------------------
+# -- the wire and the OpenAI shapes ----------------------------------------------------------------
 
 
 def test_token_chunks_carry_logprobs_over_the_wire_and_when_joined():
@@ -240,7 +244,8 @@ def test_grpc_logprobs_of_the_first_token_and_the_later_ones_equal_the_engine(
                 )
             )
         )
-    # The first message is the prefill worker's: its first token, that token's logprobs and the prompt's.
+    # The first message is the prefill worker's: its first token, that token's logprobs and the
+    # prompt's.
     first = responses[0]
     assert (
         len(first.token_ids) == 1
@@ -449,8 +454,9 @@ def test_bad_logprobs_arguments_are_400s_naming_the_field(
 
 @pytest.mark.parametrize("system", ["grpc"], indirect=True)  # it has the second decode worker
 def test_logprobs_survive_a_decode_worker_killed_mid_stream(system, smollm_fp32, tokenizer):
-    """The request is re-prefilled as prompt + tokens so far on the other decode worker: the logprobs of the
-    tokens already streamed are neither lost nor sent again, and the later ones continue."""
+    """The request is re-prefilled as prompt + tokens so far on the other decode worker: the
+    logprobs of the tokens already streamed are neither lost nor sent again, and the later ones
+    continue."""
     import ray
 
     prompt = tokenizer.encode(PROMPT)

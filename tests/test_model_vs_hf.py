@@ -17,12 +17,13 @@ CHAT_PROMPTS = [
     "def fibonacci(n):\n    # complete this Python function",
 ]
 LONG_TEXT = (
-    "The history of computing is longer than the history of computing hardware and modern computing "
-    "technology and includes the history of methods intended for pen and paper or for chalk and slate, "
-    "with or without the aid of tables. Digital computing is intimately tied to the representation of "
-    "numbers. But long before abstractions like the number arose, there were mathematical concepts to "
-    "serve the purposes of civilization. These concepts are implicit in concrete practices such as "
-    "one-to-one correspondence, the basis of counting, and comparison to a standard, used for measurement. "
+    "The history of computing is longer than the history of computing hardware and modern "
+    "computing technology and includes the history of methods intended for pen and paper or for "
+    "chalk and slate, with or without the aid of tables. Digital computing is intimately tied to "
+    "the representation of numbers. But long before abstractions like the number arose, there "
+    "were mathematical concepts to serve the purposes of civilization. These concepts are "
+    "implicit in concrete practices such as one-to-one correspondence, the basis of counting, and "
+    "comparison to a standard, used for measurement. "
 ) * 3
 
 

@@ -1,12 +1,13 @@
-"""`n > 1` and `best_of` (issue #33) through a real 1P+1D system with the official `openai` client: each
-choice is reproducible alone with its derived seed (`seed + i`), the prompt's KV is prefilled once and
-its full blocks reused by choices 1.. on choice 0's decode worker, one of two (the router's prefix-hit
-counters show it),
-usage counts the prompt once and the choices' tokens summed, streamed choices carry their index, best_of
-keeps the choices of the highest cumulative logprob, and bad values are 400s naming the parameter.
+"""`n > 1` and `best_of` (issue #33) through a real 1P+1D system with the official `openai` client:
+each choice is reproducible alone with its derived seed (`seed + i`), the prompt's KV is prefilled
+once and its full blocks reused by choices 1.. on choice 0's decode worker, one of two (the router's
+prefix-hit counters show it),
+usage counts the prompt once and the choices' tokens summed, streamed choices carry their index,
+best_of keeps the choices of the highest cumulative logprob, and bad values are 400s naming the
+parameter.
 
-Everything runs in fp32 (the harness pins it), so seeded and greedy answers are token-identical across
-batch shapes."""
+Everything runs in fp32 (the harness pins it), so seeded and greedy answers are token-identical
+across batch shapes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Overload and soak, bounded in count and time, loopback only: 200 concurrent streams (gRPC, then
-streamed HTTP) against small queue limits (no more accepted than the limits allow, the rest refused at
-once with RESOURCE_EXHAUSTED / HTTP 429 + Retry-After, every accepted one exact, KV and counters back to
-zero), then a steady load for a bounded time with no RSS growth beyond a stated bound."""
+streamed HTTP) against small queue limits (no more accepted than the limits allow, the rest refused
+at once with RESOURCE_EXHAUSTED / HTTP 429 + Retry-After, every accepted one exact, KV and counters
+back to zero), then a steady load for a bounded time with no RSS growth beyond a stated bound."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ PROMPTS = ["The sun is", "Rivers flow", "My favourite food is", "In the morning 
 STREAMS = 200
 MAX_IN_FLIGHT = 48
 MAX_WAITING_FOR_KV = 8
-# A refusal is decided before any work: it comes back within this, even as the 200th of a burst on 2 cores.
+# A refusal is decided before any work: it comes back within this, even as the 200th of a burst on 2
+# cores.
 REFUSAL_BOUND_S = 2.0
 SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "15"))  # longer soaks: PDSERVE_SOAK_S=600
 # The soak runs for SOAK_S and at least this many requests, whatever the CPU's speed (a slow or busy
@@ -69,7 +70,8 @@ async def _stream(stub, prompt: str) -> tuple[str, list[int]]:
 
 
 async def _burst(port: int, count: int) -> list[tuple[str, str, list, float]]:
-    """`count` streams at once: (prompt, outcome, tokens or [details, trailers], seconds to the outcome)."""
+    """`count` streams at once: (prompt, outcome, tokens or [details, trailers], seconds to the
+    outcome)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.GenerationStub(channel)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(count)]
@@ -93,8 +95,8 @@ def _worker_rss(system) -> dict[str, int]:
 
 
 def _check_admission(accepted: int, refusals: list[str]) -> None:
-    """No more accepted than the limits hold; if the in-flight limit refused anyone, it was full then: its
-    requests were all accepted, bar those the KV-wait limit refused after admission."""
+    """No more accepted than the limits hold; if the in-flight limit refused anyone, it was full
+    then: its requests were all accepted, bar those the KV-wait limit refused after admission."""
     assert accepted + len(refusals) == STREAMS
     assert 0 < len(refusals) and accepted <= MAX_IN_FLIGHT + MAX_WAITING_FOR_KV, (
         accepted,
@@ -145,7 +147,8 @@ def test_200_concurrent_streams_over_small_queues(system, references):
 
 
 async def _http_burst(port: int, model: str, count: int) -> list[tuple[str, int, dict, str, float]]:
-    """`count` streamed completions at once: (prompt, status, headers, text or error body, seconds)."""
+    """`count` streamed completions at once: (prompt, status, headers, text or error body,
+    seconds)."""
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
     ) as session:

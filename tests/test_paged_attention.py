@@ -1,4 +1,5 @@
-"""The paged decode-attention kernel against a float64 reference and the torch (gather + SDPA) path."""
+"""The paged decode-attention kernel against a float64 reference and the torch (gather + SDPA)
+path."""
 
 import logging
 import os
@@ -208,8 +209,9 @@ _PREFILL_CASES = [(1, 0), (127, 0), (128, 0), (300, 0), (1, 16), (300, 16), (128
 )
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "h{}kv{}d{}".format(*s[:3]))
 def test_bf16_prefill_attention_matches_causal_sdpa(kernel, num_tokens, num_cached, shape):
-    """New tokens after `num_cached` context tokens (a cached prefix, an earlier chunk) see all of the context
-    and, among themselves, those before them: each bf16 CPU kernel, whichever this CPU picks."""
+    """New tokens after `num_cached` context tokens (a cached prefix, an earlier chunk) see all of
+    the context and, among themselves, those before them: each bf16 CPU kernel, whichever this CPU
+    picks."""
     num_heads, num_kv_heads, head_dim, _ = shape
     g = torch.Generator().manual_seed(num_tokens + num_cached)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g).bfloat16()

@@ -1,6 +1,6 @@
 """Conditional disaggregation: the policy as a pure function, the interleaving scheduler, and a real
-system that prefills on its decode worker when the prefill pool's queue is long, with output identical
-to the single-process engine either way."""
+system that prefills on its decode worker when the prefill pool's queue is long, with output
+identical to the single-process engine either way."""
 
 from __future__ import annotations
 
@@ -78,8 +78,9 @@ def test_the_scheduler_interleaves_prefill_chunks_with_decode_steps():
 
 @pytest.fixture(scope="module")
 def system(harness, tmp_path_factory):
-    # Its own directory for lending cores: only its two workers register there, so an earlier module's
-    # workers that are still exiting cannot make a home core look shared (such a worker never borrows)
+    # Its own directory for lending cores: only its two workers register there, so an earlier
+    # module's workers that are still exiting cannot make a home core look shared (such a worker
+    # never borrows)
     running = harness.start(
         num_prefill=1,
         num_decode=1,
@@ -170,7 +171,8 @@ def test_a_worker_prefilling_while_the_other_idles_borrows_its_core_with_identic
 ):
     from engine.llm_engine import EngineConfig, LLMEngine
 
-    # One core each (0.5 CPU granted), on a node of two cores: each worker's prefill steps may run on both.
+    # One core each (0.5 CPU granted), on a node of two cores: each worker's prefill steps may run
+    # on both.
     long_prompt = "Rivers shaped where people settled, traded and fought. " * 6
     engine = LLMEngine(EngineConfig(dtype="float32", num_threads=1), loaded=smollm_fp32)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""On a multi-node Ray cluster (three nodes, all on 127.0.0.1), each pool lands only on its node type."""
+"""On a multi-node Ray cluster (three nodes, all on 127.0.0.1), each pool lands only on its node
+type."""
 
 import asyncio
 import threading
@@ -48,7 +49,8 @@ def test_pools_are_placed_on_their_node_types_and_serve(cluster):
     ray_cluster, prefill_node_id, decode_node_id = cluster
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    # fp32: the answer's text is checked, and in bf16 this model answers otherwise (docs/reliability.md)
+    # fp32: the answer's text is checked, and in bf16 this model answers otherwise
+    # (docs/reliability.md)
     config = ServeConfig(
         address=ray_cluster.address,
         port=0,

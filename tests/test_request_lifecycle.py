@@ -193,7 +193,8 @@ def test_a_client_leaving_at_any_moment_frees_everything_within_a_second(system)
     async def sweep():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{system.port}") as channel:
             stub = pb_grpc.GenerationStub(channel)
-            # Staggered leave times cover every phase: admission, the decode reservation, prefill, decode.
+            # Staggered leave times cover every phase: admission, the decode reservation, prefill,
+            # decode.
             await asyncio.gather(*(leave_after(stub, 0.002 * i, i) for i in range(60)))
 
     asyncio.run(sweep())
@@ -265,7 +266,8 @@ def test_the_served_context_is_what_the_kv_cache_holds(small_cache_system):
     )
     assert status == 400 and str(capacity) in body, (status, body)
     assert time.monotonic() - started < 5
-    # A prompt that fits with max_tokens beyond the cache ends at the served context, never preempting itself.
+    # A prompt that fits with max_tokens beyond the cache ends at the served context, never
+    # preempting itself.
     with system.client(timeout_s=120) as client:
         done = client.generate(
             client.request(

@@ -1,6 +1,7 @@
 """How the router hands a decode worker's chunks to a request's stream, without Ray: only the worker
-holding the request feeds it; a backlog leaves as one chunk; `stream_interval` groups decode tokens; the
-token stream's wire format and subscription (a real gRPC server standing in for the worker's)."""
+holding the request feeds it; a backlog leaves as one chunk; `stream_interval` groups decode tokens;
+the token stream's wire format and subscription (a real gRPC server standing in for the
+worker's)."""
 
 import asyncio
 import queue
@@ -56,8 +57,8 @@ def _worker(worker_id: str) -> WorkerHandle:
 def _collect(
     intake: _Intake, holder: WorkerHandle, deliveries, coalesce: bool = True
 ) -> list[TokenChunk]:
-    """On a loop, as in the router: track a request held by `holder`, deliver (worker, chunks) pairs, and
-    collect what its consumer gets."""
+    """On a loop, as in the router: track a request held by `holder`, deliver (worker, chunks)
+    pairs, and collect what its consumer gets."""
 
     async def run():
         route = intake.track("req", holder)
@@ -71,7 +72,8 @@ def _collect(
 def test_chunks_from_a_worker_that_no_longer_holds_the_request_are_dropped():
     intake = _Intake()
     handed_back, holder = _worker("decode-0"), _worker("decode-1")
-    # decode-0 had a reservation under the same id, handed back: its abort notice must not end the request
+    # decode-0 had a reservation under the same id, handed back: its abort notice must not end the
+    # request
     chunks = _collect(
         intake,
         holder,
@@ -149,8 +151,8 @@ def test_a_worker_lost_mid_interval_still_hands_over_the_tokens_held_back_first(
                     )
         return received
 
-    # the loss is raised only after the two held-back tokens went out: migration re-runs exactly what the
-    # client has seen
+    # the loss is raised only after the two held-back tokens went out: migration re-runs exactly
+    # what the client has seen
     assert asyncio.run(run()) == [(1,), (2, 3)]
 
 
@@ -171,8 +173,8 @@ def test_token_chunks_cross_the_wire_with_every_field():
 
 
 class _TokenServer:
-    """A stand-in for a decode worker's output stream: sends the hello it is given, then what the test
-    puts on `steps` (bytes of encoded chunks; None ends the stream)."""
+    """A stand-in for a decode worker's output stream: sends the hello it is given, then what the
+    test puts on `steps` (bytes of encoded chunks; None ends the stream)."""
 
     def __init__(self, hello: list):
         self.steps: queue.Queue = queue.Queue()
@@ -229,7 +231,7 @@ async def _subscribed(server: _TokenServer) -> tuple[_Intake, WorkerHandle]:
     return intake, worker
 
 
-def test_steps_that_arrive_while_the_loop_is_stalled_are_handed_out_together_then_the_end_fails_requests(
+def test_steps_arriving_during_a_loop_stall_are_handed_out_together_then_the_end_fails_requests(
     token_server,
 ):
     server = token_server("decode-0")

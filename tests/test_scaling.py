@@ -1,4 +1,5 @@
-"""Resizing the pools while serving: new workers take requests once ready; removed ones drain first."""
+"""Resizing the pools while serving: new workers take requests once ready; removed ones drain
+first."""
 
 import threading
 import time
@@ -96,7 +97,8 @@ def test_scale_rejects_impossible_sizes(system):
             failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             and "at least 1" in failure.value.details()
         )
-        # More workers than the local Ray node has CPUs for: refused at once, not left pending forever.
+        # More workers than the local Ray node has CPUs for: refused at once, not left pending
+        # forever.
         before = _decode_workers(system)
         with pytest.raises(grpc.RpcError) as failure:
             client.scale(decode=50, timeout_s=60)
@@ -148,7 +150,8 @@ def test_autoscaler_grows_the_bottleneck_pool_under_load_and_shrinks_it_after(sy
     from router.autoscaler import AutoscaleConfig
 
     system.stop()  # two systems would crowd two cores; this test brings its own
-    # Any real prefill misses a 10 ms TTFT target, and KV never counts as full: prefill is the bottleneck.
+    # Any real prefill misses a 10 ms TTFT target, and KV never counts as full: prefill is the
+    # bottleneck.
     config = AutoscaleConfig(
         max_prefill=2,
         max_decode=2,

@@ -234,8 +234,8 @@ def test_stream_interval_sends_decode_tokens_in_groups_and_changes_nothing_else(
                 )
             )
         sizes = [len(r.token_ids) for r in responses]
-        # Not held back: the first token (colocated); the prefill's token and the first decode chunk, which
-        # acknowledges the KV (disaggregated).
+        # Not held back: the first token (colocated); the prefill's token and the first decode
+        # chunk, which acknowledges the KV (disaggregated).
         held_from = 2 if mode == "disaggregated" else 1
         assert max(sizes[:held_from]) < 4, sizes
         assert all(size >= 4 for size in sizes[held_from:-1]) and sum(sizes) == 32, sizes

@@ -1,6 +1,6 @@
-"""The whole system with `--transport rdt` (Ray Direct Transport over gloo): real prefill and decode actors
-in one collective group, the prefill worker handing KV deliveries to the decode worker directly; greedy
-output equals the single-process engine."""
+"""The whole system with `--transport rdt` (Ray Direct Transport over gloo): real prefill and decode
+actors in one collective group, the prefill worker handing KV deliveries to the decode worker
+directly; greedy output equals the single-process engine."""
 
 from concurrent.futures import ThreadPoolExecutor
 

@@ -1,6 +1,6 @@
-"""The SLO as an input (`pdserve serve --slo ttft:MS,tpot:MS`): its parsing, the judgement of a completed
-request (as vLLM's `--goodput` counts), the router's counters and metrics, and a live system's /metrics,
-GetStats and `pdserve status`."""
+"""The SLO as an input (`pdserve serve --slo ttft:MS,tpot:MS`): its parsing, the judgement of a
+completed request (as vLLM's `--goodput` counts), the router's counters and metrics, and a live
+system's /metrics, GetStats and `pdserve status`."""
 
 from __future__ import annotations
 

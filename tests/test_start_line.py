@@ -40,8 +40,8 @@ def test_auto_names_the_cpu_and_the_environment_overrides_it(monkeypatch):
 def test_the_ready_line_names_the_dtype_the_workers_resolved_kv_tokens_context_and_threads(
     harness, monkeypatch
 ):
-    """`auto` with the environment forcing the dtype this CPU would not pick: the workers (Ray actors)
-    get the override, and the ready line says what they chose and why."""
+    """`auto` with the environment forcing the dtype this CPU would not pick: the workers (Ray
+    actors) get the override, and the ready line says what they chose and why."""
     other = "float32" if NATIVE_BF16 else "bfloat16"
     monkeypatch.setenv(AUTO_DTYPE_ENV, other)
     system = harness.start(dtype="auto", num_prefill=1, num_decode=1)

@@ -1,11 +1,11 @@
-"""Structured outputs and tool calls (issue #33): grammars compiled by llguidance over our own vocabulary,
-the mask applied where each token is sampled (the first on the prefill worker, the rest on the decode
-worker), through a real 1P+1D system on both KV transports with the official `openai` client: JSON
-schema answers that validate for every seed (one of them across a decode worker killed mid-stream),
-choices and regexes that hold, bad specs that are 400s, and a tool call round trip.
+"""Structured outputs and tool calls (issue #33): grammars compiled by llguidance over our own
+vocabulary, the mask applied where each token is sampled (the first on the prefill worker, the rest
+on the decode worker), through a real 1P+1D system on both KV transports with the official `openai`
+client: JSON schema answers that validate for every seed (one of them across a decode worker killed
+mid-stream), choices and regexes that hold, bad specs that are 400s, and a tool call round trip.
 
-Everything runs in fp32 (the harness pins it), so seeded and greedy answers are token-identical across
-batch shapes and migration."""
+Everything runs in fp32 (the harness pins it), so seeded and greedy answers are token-identical
+across batch shapes and migration."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ HERMES_TEMPLATE = (
 )
 
 
-# -- the engine -------------------------------------------------------------------------------------
+# -- the engine ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,8 @@ def test_engine_json_answers_validate_greedy_is_deterministic_and_seeds_reproduc
 
 @pytest.mark.timeout(120)
 def test_engine_resumes_a_grammar_over_the_tokens_already_output(engine):
-    """A migrated request is re-prefilled as prompt + output so far; its grammar starts from there."""
+    """A migrated request is re-prefilled as prompt + output so far; its grammar starts from
+    there."""
     prompt = _chat(engine, QUESTION)
     guided = GuidedDecoding(json_schema=json.dumps(PERSON), prompt_tokens=len(prompt))
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=7, guided=guided)
@@ -368,8 +369,9 @@ def test_grpc_guided_requests_and_their_invalid_argument(system):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("system", ["grpc"], indirect=True)  # it has the second decode worker
 def test_a_json_answer_survives_its_decode_worker_killed_mid_stream(system, client):
-    """Re-prefilled as prompt + tokens so far on the other decode worker, the grammar resumes from the
-    tokens already sent: the answer validates and equals the one of the same seed never interrupted."""
+    """Re-prefilled as prompt + tokens so far on the other decode worker, the grammar resumes from
+    the tokens already sent: the answer validates and equals the one of the same seed never
+    interrupted."""
     import ray
 
     reference = _person_chat(system, client, 11).choices[0].message.content
@@ -405,8 +407,8 @@ def test_a_json_answer_survives_its_decode_worker_killed_mid_stream(system, clie
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("system", ["ray"], indirect=True)  # the same HTTP front end on both
 def test_a_tool_call_round_trip(system, client):
-    """The default template has no tool format: a named call is forced by its parameters' schema, and the
-    assistant's call and the tool's answer go back in the conversation."""
+    """The default template has no tool format: a named call is forced by its parameters' schema,
+    and the assistant's call and the tool's answer go back in the conversation."""
     model = system.config.model_name
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -463,8 +465,8 @@ def test_a_tool_call_round_trip(system, client):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("system", ["ray"], indirect=True)  # the same HTTP front end on both
 def test_auto_tool_calls_in_a_hermes_template_are_parsed(system, client):
-    """With a template that has a tool format, "auto" reads the model's `<tool_call>` out of its answer
-    (the 135M model rarely writes one unasked, so a regex makes it write one here)."""
+    """With a template that has a tool format, "auto" reads the model's `<tool_call>` out of its
+    answer (the 135M model rarely writes one unasked, so a regex makes it write one here)."""
     tokenizer = system.system.router.tokenizer
     original = tokenizer.chat_template
     tokenizer.use_chat_template(HERMES_TEMPLATE)

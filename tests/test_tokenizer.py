@@ -1,4 +1,5 @@
-"""The tokenizer and chat template against HF transformers, which rebuilds the same GGUF metadata."""
+"""The tokenizer and chat template against HF transformers, which rebuilds the same GGUF
+metadata."""
 
 import os
 
@@ -68,9 +69,10 @@ CONVERSATIONS = {
     ],
 }
 
-# Exercises what the renderer, not the default model's template, must do as HF does: `tools`/`documents` are
-# None when absent, keys whose value is None are dropped, the special tokens are variables, `tojson` keeps
-# non-ASCII, `{% generation %}` renders its body, and loop controls and namespaces work.
+# Exercises what the renderer, not the default model's template, must do as HF does:
+# `tools`/`documents` are None when absent, keys whose value is None are dropped, the special tokens
+# are variables, `tojson` keeps non-ASCII, `{% generation %}` renders its body, and loop controls
+# and namespaces work.
 RICH_TEMPLATE = (
     "{% set ns = namespace(turns=0) %}"
     "{% if tools is not none %}TOOLS {{ tools | tojson }}\n{% endif %}"
@@ -177,7 +179,8 @@ def test_special_tokens_match_hf(tokenizer, hf_tokenizer):
     assert special.add_bos_token is False
 
 
-# HF's GGUF rebuild picks the text split by `tokenizer.ggml.pre`; ours must pick the same for every name.
+# HF's GGUF rebuild picks the text split by `tokenizer.ggml.pre`; ours must pick the same for every
+# name.
 PRE_TOKENIZER_TEXT = "(Hello) WORLDs don'T 12345 x/y\n\n  naïve Ünïcode e\u0301 日本語 a\r\n\tb  "
 
 
@@ -185,7 +188,8 @@ PRE_TOKENIZER_TEXT = "(Hello) WORLDs don'T 12345 x/y\n\n  naïve Ünïcode e\u03
     "pre", ["llama-bpe", "falcon3", "deepseek-r1-qwen", "qwen2", "qwen35", "tekken", "gpt-4o"]
 )
 def test_pre_tokenizer_split_matches_hf(gguf_fields, hf_tokenizer, pre):
-    # An internal of HF's GGUF support (transformers 5), so it may move; the rest of the file does not need it.
+    # An internal of HF's GGUF support (transformers 5), so it may move; the rest of the file does
+    # not need it.
     mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
     # HF's own function, applied to a stand-in backend, says which split it would use for this name.
     hf_backend = types.SimpleNamespace(pre_tokenizer=hf_tokenizer.backend_tokenizer.pre_tokenizer)
@@ -233,7 +237,8 @@ def test_chat_template_matches_hf(tokenizer, hf_tokenizer, name, add_generation_
 
 
 def test_chat_template_shape(tokenizer):
-    # The default template adds a system turn when there is none, and the generation prompt only when asked.
+    # The default template adds a system turn when there is none, and the generation prompt only
+    # when asked.
     with_prompt = tokenizer.apply_chat_template(
         CONVERSATIONS["single-user"], add_generation_prompt=True
     )

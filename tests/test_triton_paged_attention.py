@@ -39,8 +39,8 @@ CASES = {
 }
 # as the CPU kernel's tests
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-# Contexts split into partitions (flash decoding): 3 leaves ragged ones, 7 more than a short context's tiles
-# (empty partitions, which must weigh nothing).
+# Contexts split into partitions (flash decoding): 3 leaves ragged ones, 7 more than a short
+# context's tiles (empty partitions, which must weigh nothing).
 PARTITIONS = (3, 7)
 POISONED = "poisoned"  # rows no sequence owns hold huge K and NaN V: they must never be read
 
@@ -75,7 +75,8 @@ def _all_inputs():
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """Every case's output from the kernel under Triton's interpreter, computed in one child process."""
+    """Every case's output from the kernel under Triton's interpreter, computed in one child
+    process."""
     out = tmp_path_factory.mktemp("triton") / "outputs.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     child = subprocess.run(

@@ -1,4 +1,5 @@
-"""A worker's state as the router sees it (router/pool.py): its transitions, and who a pool routes to."""
+"""A worker's state as the router sees it (router/pool.py): its transitions, and who a pool routes
+to."""
 
 from protocol.messages import WorkerInfo
 from router.pool import WorkerHandle, WorkerPool, WorkerState
