@@ -318,11 +318,11 @@ class Attention(nn.Module):
 # none (engine/prefill_attention.py). Intel Xeon (AMX_BF16, get_cpu_capability AVX512), torch 2.13,
 # 9/3 heads, 30 layers, median of 30, ms, SDPA flash (after 16 cached: flash after context) / AMX
 # kernel, `python -m benchmarks.prefill_attention_bench --tokens 128 512 1024 2048`:
-#   1 thread:  512 after 0: 48.8 / 22.4, after 16: 70.9 / 24.2; 1024: 147.5 / 81.1; 2048: 476 / 312
-#   2 threads: 512 after 0: 27.0 / 13.3, after 16: 46.6 / 15.1; 1024: 79.5 / 45.0; 2048: 250 / 162
-#   128 after 512 cached: 57.5 / 13.1 (1 thread), 93.7 / 8.1 (2)
+#   1 thread:  512 after 0: 46.1 / 16.1, after 16: 71.1 / 17.5; 1024: 135 / 58; 2048: 446 / 226
+#   2 threads: 512 after 0: 25.0 / 9.9, after 16: 41.7 / 10.9; 1024: 70.8 / 33.7; 2048: 230 / 119
+#   128 after 512 cached: 56.8 / 9.1 (1 thread), 31.5 / 5.8 (2)
 # A whole 542-token prefill, 16 of them cached (`... --engine --tokens 526 --cached 16`, median of
-# 6): 281 -> 211 ms on one thread, 181 -> 143 ms on two. docs/benchmarks.md has the rest.
+# 6, two runs): 261-264 -> 197-198 ms on one thread, 170 -> 135-136 ms on two. docs/benchmarks.md.
 _PREFILL_BLOCK = 128
 _AMX = torch.cpu._is_amx_tile_supported()
 

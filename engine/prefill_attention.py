@@ -1,5 +1,5 @@
 """Causal bf16 prefill attention on CPUs with AMX tiles: a flash-attention C kernel
-(engine/csrc/prefill_attention_amx.c) for head_dim 64, 1.5-7x as fast as SDPA's CPU flash kernel
+(engine/csrc/prefill_attention_amx.c) for head_dim 64, 2-6x as fast as SDPA's CPU flash kernel
 (engine/model.py, above `_PREFILL_BLOCK`, has the figures).
 
 Built and loaded like the paged decode-attention kernel (engine/paged_attention.py), with the AMX

@@ -79,6 +79,20 @@ def test_bf16_prefill_attention_matches_float64(num_tokens, num_cached, num_head
     torch.testing.assert_close(got.double(), _reference(q, k, v), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("num_cached", [0, 40])
+def test_scores_that_keep_growing_along_the_keys(num_cached):
+    """Later keys score ever higher (the last query's scores span ~30 in log2): the running maximum
+    moves block after block, and the kernel rescales what it has summed so far."""
+    g = torch.Generator().manual_seed(3)
+    n = 200
+    q = torch.randn(n, 9, 64, generator=g).abs().bfloat16()
+    growth = torch.linspace(0.2, 3.0, num_cached + n).view(-1, 1, 1)
+    k = (torch.randn(num_cached + n, 3, 64, generator=g).abs() * growth).bfloat16()
+    v = torch.randn(num_cached + n, 3, 64, generator=g).bfloat16()
+    got = _prefill_kernel(q, num_cached)(_attention(9, 3, 64), q, k, v)
+    torch.testing.assert_close(got.double(), _reference(q, k, v), atol=2e-2, rtol=0)
+
+
 @pytest.mark.skipif(
     not AMX, reason="the kernel itself runs only on AMX CPUs (fallbacks tested below)"
 )
