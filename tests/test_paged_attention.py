@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engine import disk_cache, paged_attention
-from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model import Attention, ForwardBatch
+from engine.model import ForwardBatch
 from engine.sampling import SamplingParams
+from tests.attention_shapes import attention_layer
 
 
 @pytest.fixture(scope="module")
@@ -65,27 +65,9 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
-def _attention(num_heads, num_kv_heads, head_dim):
-    return Attention(
-        ModelConfig(
-            name="t",
-            vocab_size=8,
-            hidden_size=num_heads * head_dim,
-            intermediate_size=8,
-            num_layers=1,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            max_context_tokens=4096,
-            rms_norm_eps=1e-6,
-            rope_theta=10000.0,
-        )
-    )
-
-
 def _torch_path(q, k_cache, v_cache, tables, lens, scale):
     batch, num_heads, head_dim = q.shape
-    attention = _attention(num_heads, k_cache.shape[2], head_dim)
+    attention = attention_layer(num_heads, k_cache.shape[2], head_dim)
     batch_info = ForwardBatch(
         positions=lens - 1, slot_mapping=lens, decode_block_tables=tables, decode_context_lens=lens
     )
@@ -217,7 +199,9 @@ def test_bf16_prefill_attention_matches_causal_sdpa(kernel, num_tokens, num_cach
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g).bfloat16()
     k = torch.randn(num_cached + num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
     v = torch.randn(num_cached + num_tokens, num_kv_heads, head_dim, generator=g).bfloat16()
-    got = getattr(_attention(num_heads, num_kv_heads, head_dim), f"_{kernel}_attention")(q, k, v)
+    got = getattr(attention_layer(num_heads, num_kv_heads, head_dim), f"_{kernel}_attention")(
+        q, k, v
+    )
     visible = torch.arange(num_cached + num_tokens).unsqueeze(0) <= torch.arange(
         num_cached, num_cached + num_tokens
     ).unsqueeze(1)

@@ -9,28 +9,10 @@ import pytest
 import torch
 
 from engine import disk_cache, model, prefill_attention
-from engine.config import ModelConfig
 from engine.model import Attention, _prefill_kernel
+from tests.attention_shapes import attention_layer
 
 AMX = torch.cpu._is_amx_tile_supported()
-
-
-def _attention(num_heads: int, num_kv_heads: int, head_dim: int) -> Attention:
-    return Attention(
-        ModelConfig(
-            name="t",
-            vocab_size=8,
-            hidden_size=num_heads * head_dim,
-            intermediate_size=8,
-            num_layers=1,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            max_context_tokens=4096,
-            rms_norm_eps=1e-6,
-            rope_theta=10000.0,
-        )
-    )
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -74,7 +56,7 @@ def test_bf16_prefill_attention_matches_float64(num_tokens, num_cached, num_head
         assert kernel is Attention._amx_flash_attention
     else:
         assert kernel is Attention._blocked_attention
-    got = kernel(_attention(num_heads, num_kv_heads, head_dim), q, k, v)
+    got = kernel(attention_layer(num_heads, num_kv_heads, head_dim), q, k, v)
     assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, num_heads * head_dim)
     torch.testing.assert_close(got.double(), _reference(q, k, v), atol=2e-2, rtol=0)
 
@@ -89,7 +71,7 @@ def test_scores_that_keep_growing_along_the_keys(num_cached):
     growth = torch.linspace(0.2, 3.0, num_cached + n).view(-1, 1, 1)
     k = (torch.randn(num_cached + n, 3, 64, generator=g).abs() * growth).bfloat16()
     v = torch.randn(num_cached + n, 3, 64, generator=g).bfloat16()
-    got = _prefill_kernel(q, num_cached)(_attention(9, 3, 64), q, k, v)
+    got = _prefill_kernel(q, num_cached)(attention_layer(9, 3, 64), q, k, v)
     torch.testing.assert_close(got.double(), _reference(q, k, v), atol=2e-2, rtol=0)
 
 
