@@ -107,18 +107,7 @@ def cheapest(
     for shape in space.shapes():
         if winning_cost is not None and shape.total_cpus > winning_cost + 1e-9:
             break
-        report = simulate(profile, shape, slo, requests, node_cores)
-        tried.append(
-            dict(
-                shape=str(shape),
-                cpus=shape.total_cpus,
-                slo_attainment=report.slo_attainment,
-                goodput_rps=report.goodput_rps,
-            )
-        )
-        log(
-            f"{shape}: {report.slo_attainment:.0%} within SLO, goodput {report.goodput_rps:.2f} req/s"
-        )
+        report = _tried(profile, shape, slo, requests, node_cores, tried, log)
         if report.slo_attainment >= attainment:
             winners.append((shape, report))
             winning_cost = shape.total_cpus
@@ -142,22 +131,26 @@ def best_of(
     requests = workload.requests(rate_rps)
     tried, best = [], None
     for shape in shapes:
-        report = simulate(profile, shape, slo, requests, node_cores)
-        tried.append(
-            dict(
-                shape=str(shape),
-                cpus=shape.total_cpus,
-                slo_attainment=report.slo_attainment,
-                goodput_rps=report.goodput_rps,
-            )
-        )
-        log(
-            f"{shape}: {report.slo_attainment:.0%} within SLO, goodput {report.goodput_rps:.2f} req/s"
-        )
+        report = _tried(profile, shape, slo, requests, node_cores, tried, log)
         key = (round(report.goodput_rps, 6), report.slo_attainment, -shape.total_cpus)
         if best is None or key > best[0]:
             best = (key, shape, report)
     return Plan(best[1], rate_rps, best[2], tried)
+
+
+def _tried(profile, shape, slo, requests, node_cores, tried: list, log) -> Report:
+    """`shape` simulated on `requests`, noted in `tried` and logged."""
+    report = simulate(profile, shape, slo, requests, node_cores)
+    tried.append(
+        dict(
+            shape=str(shape),
+            cpus=shape.total_cpus,
+            slo_attainment=report.slo_attainment,
+            goodput_rps=report.goodput_rps,
+        )
+    )
+    log(f"{shape}: {report.slo_attainment:.0%} within SLO, goodput {report.goodput_rps:.2f} req/s")
+    return report
 
 
 def highest_rate(
