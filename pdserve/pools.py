@@ -396,4 +396,7 @@ class AutoscaleLoop:
             decode_kv_use=used / total,
             waiting_for_kv=stats.requests_waiting_for_kv,
             requests_in_flight=stats.requests_in_flight,  # running or waiting for KV room
+            requests_arrived=(
+                stats.requests_completed + stats.requests_failed + stats.requests_in_flight
+            ),
         )

@@ -187,3 +187,42 @@ def test_autoscaler_grows_the_bottleneck_pool_under_load_and_shrinks_it_after(sy
         assert not load.errors
     finally:
         scaled.stop()
+
+
+def test_a_planned_autoscaler_steers_the_pools_by_the_arrival_rate_the_router_counts(harness):
+    from router.autoscaler import AutoscaleConfig, PlannedSize, PlanTarget
+
+    # Any arrivals at all are above the plan's second rate, so it asks for a second prefill worker;
+    # the reactive signals never press (targets no request misses), so only the counted rate can.
+    plan = PlanTarget(
+        (
+            PlannedSize(0.0, "disaggregated", prefill=1, decode=1, cpus_per_worker=1.0),
+            PlannedSize(0.01, "disaggregated", prefill=2, decode=1, cpus_per_worker=1.0),
+        )
+    )
+    config = AutoscaleConfig(
+        max_prefill=2,
+        max_decode=1,
+        ttft_target_s=1e6,
+        queue_target_s=1e6,
+        kv_use_high=1.01,
+        cooldown_s=1.0,
+        idle_s=1e6,
+        interval_s=0.5,
+        plan=plan,
+    )
+    planned = harness.start(transport="ray", autoscale=config)
+    try:
+        load = SteadyLoad(planned, threads=1)
+        try:
+            deadline = time.monotonic() + 60
+            while len([w for w in planned.stats().workers if w.role == "prefill"]) != 2:
+                assert time.monotonic() < deadline, "the plan never grew prefill under arrivals"
+                time.sleep(0.5)
+        finally:
+            load.stop()
+        decisions = planned.stats().autoscaler_decisions
+        assert any("prefill -> 2: plan: 2 planned for 0.01 req/s, arriving at" in d for d in decisions)
+        assert not load.errors
+    finally:
+        planned.stop()
