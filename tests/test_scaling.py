@@ -222,7 +222,9 @@ def test_a_planned_autoscaler_steers_the_pools_by_the_arrival_rate_the_router_co
         finally:
             load.stop()
         decisions = planned.stats().autoscaler_decisions
-        assert any("prefill -> 2: plan: 2 planned for 0.01 req/s, arriving at" in d for d in decisions)
+        assert any(
+            "prefill -> 2: plan: 2 planned for 0.01 req/s, arriving at" in d for d in decisions
+        )
         assert not load.errors
     finally:
         planned.stop()
