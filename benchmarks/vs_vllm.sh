@@ -10,6 +10,8 @@
 # PDSERVE_PYTHONPATH runs another checkout's pdserve with this venv (a same-run baseline of older code).
 # SEED: the request seed every system of this run gets (default: one drawn per run), so all see the same
 # prompts and arrivals; give a rate the same SEED in every run that compares at it.
+# BENCH_FLAGS: more `vllm bench serve` flags for every system, e.g. an idle run (one request at a time):
+#     BENCH_FLAGS="--max-concurrency 1" bash benchmarks/vs_vllm.sh WORK OUT inf 8 ...
 # GOODPUT: the SLO goodput counts against; by default the per ISA: "ttft:1000 tpot:50" where torch
 # reports AVX512 (bf16 machines), "ttft:4000 tpot:200" on AVX2-only machines (about 4x slower).
 set -euo pipefail
@@ -30,7 +32,7 @@ echo "{\"goodput_slo\": \"$GOODPUT\", \"seed\": $SEED}" >> "$OUT/machine.json"
 measure() {  # name base_url
     bash "$ANCHOR" bench "$WORK" "$2" smollm2 "$OUT/warmup-$1.json" inf 2 >/dev/null 2>&1 || true
     # shellcheck disable=SC2086
-    bash "$ANCHOR" bench "$WORK" "$2" smollm2 "$OUT/$1.json" "$RATE" "$N" --goodput $GOODPUT --seed "$SEED" > "$OUT/$1.txt" 2>&1
+    bash "$ANCHOR" bench "$WORK" "$2" smollm2 "$OUT/$1.json" "$RATE" "$N" --goodput $GOODPUT --seed "$SEED" ${BENCH_FLAGS:-} > "$OUT/$1.txt" 2>&1
     grep -E "Successful|Failed|Output token throughput|Request goodput|(Median|P99) (TTFT|TPOT|ITL)" "$OUT/$1.txt" | sed "s/^/$1: /"
 }
 

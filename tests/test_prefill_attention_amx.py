@@ -72,7 +72,26 @@ def test_scores_that_keep_growing_along_the_keys(num_cached):
     k = (torch.randn(num_cached + n, 3, 64, generator=g).abs() * growth).bfloat16()
     v = torch.randn(num_cached + n, 3, 64, generator=g).bfloat16()
     got = _prefill_kernel(q, num_cached)(attention_layer(9, 3, 64), q, k, v)
-    torch.testing.assert_close(got.double(), _reference(q, k, v), atol=2e-2, rtol=0)
+    reference = _reference(q, k, v)
+    # The AMX kernel keeps its scores in fp32. The torch path of other CPUs gets them from a bf16
+    # matmul, rounded to bf16 (scores near 20 lose ~0.1): it is held to plain bf16 attention's error.
+    atol = (
+        2e-2 if AMX else max(2e-2, 1.25 * (_bf16_scores_attention(q, k, v) - reference).abs().max())
+    )
+    torch.testing.assert_close(got.double(), reference, atol=atol, rtol=0)
+
+
+def _bf16_scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Eager causal attention with bf16 matmuls and an fp32 softmax, as a bf16 model without a
+    fused kernel computes it."""
+    n, num_cached, group = q.shape[0], k.shape[0] - q.shape[0], q.shape[1] // k.shape[1]
+    keys, values = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+    scores = (q.transpose(0, 1) @ keys.transpose(1, 2)).float() * q.shape[-1] ** -0.5
+    future = torch.arange(num_cached + n).unsqueeze(0) > torch.arange(
+        num_cached, num_cached + n
+    ).unsqueeze(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1).bfloat16()
+    return (probs @ values).transpose(0, 1).reshape(n, -1).double()
 
 
 @pytest.mark.skipif(

@@ -22,7 +22,9 @@ def test_auto_names_the_cpu_and_the_environment_overrides_it(monkeypatch):
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
     isa = torch.backends.cpu.get_cpu_capability()
     reason = dtype_reason("auto", "cpu")
-    assert reason.startswith(f"auto: CPU {isa} with") and ("native bf16" in reason) == NATIVE_BF16
+    assert (
+        reason.startswith(f"auto: CPU {isa} with") and ("with native bf16" in reason) == NATIVE_BF16
+    )
     assert dtype_reason("float32", "cpu") == "asked"
     assert dtype_reason("auto", "cuda") == "auto: CUDA"
     for forced, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
