@@ -13,7 +13,8 @@
 # BENCH_FLAGS: more `vllm bench serve` flags for every system, e.g. an idle run (one request at a time):
 #     BENCH_FLAGS="--max-concurrency 1" bash benchmarks/vs_vllm.sh WORK OUT inf 8 ...
 # GOODPUT: the SLO goodput counts against; by default the issue's per ISA: "ttft:1000 tpot:50" where torch
-# reports AVX512 (bf16 machines), "ttft:4000 tpot:200" on AVX2-only machines (about 4x slower).
+# reports AVX512 (bf16 machines), "ttft:4000 tpot:100" on AVX2-only machines
+# (twice vLLM-CPU's idle TTFT and TPOT there: router/slo.py).
 set -euo pipefail
 ANCHOR="${VLLM_ANCHOR:-$(cd "$(dirname "$0")/../.." && pwd)/shared/anchors/vllm-cpu.sh}"  # the project's shared/ beside it
 [ -f "$ANCHOR" ] || { echo "no $ANCHOR: set VLLM_ANCHOR" >&2; exit 2; }
@@ -26,7 +27,7 @@ python3 -c "import json, platform; print(json.dumps({'cpu': [l.split(':')[1].str
 "$PY" -c "import torch, json; print(json.dumps({'torch_cpu_capability': torch.backends.cpu.get_cpu_capability(), 'avx512_bf16': torch.cpu._is_avx512_bf16_supported()}))" >> "$OUT/machine.json"
 
 CAPABILITY=$("$PY" -c "import torch; print(torch.backends.cpu.get_cpu_capability())" 2>/dev/null)
-if [ "$CAPABILITY" = AVX2 ]; then GOODPUT=${GOODPUT:-"ttft:4000 tpot:200"}; else GOODPUT=${GOODPUT:-"ttft:1000 tpot:50"}; fi
+if [ "$CAPABILITY" = AVX2 ]; then GOODPUT=${GOODPUT:-"ttft:4000 tpot:100"}; else GOODPUT=${GOODPUT:-"ttft:1000 tpot:50"}; fi
 echo "{\"goodput_slo\": \"$GOODPUT\", \"seed\": $SEED}" >> "$OUT/machine.json"
 
 measure() {  # name base_url

@@ -109,9 +109,11 @@ class DecodeWorker(ParkingEndpoints):
             self.engine,
             hooks=(self._poll_receiver,),
             on_output=self._on_output,
-            expecting_events=lambda: self.receiver.num_reserved_requests > 0,
             cores=share_cores(self.engine, cores),
         )
+        # KV that arrives wakes the loop: a worker waiting for a prompt's KV does not poll every few
+        # milliseconds through the prefill (which computes on this worker's idle core meanwhile)
+        self.receiver.on_event = self.loop.wake
 
     def info(self) -> WorkerInfo:
         return describe(self.engine, self.worker_id, self.role, self._kv_address())

@@ -72,6 +72,9 @@ class Reservations:
         # Called with the request id once a group's header passed `check`, before its payload is
         # read (tests hold a transfer there: runtime.parking.Parking).
         self.before_payload: Optional[Callable[[str], None]] = None
+        # Called (any thread) once a layer group was installed or refused, or a request failed: the
+        # owner's next `poll` has news (a decode worker wakes its loop instead of polling on a timer).
+        self.on_event: Optional[Callable[[], None]] = None
 
     def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
         """Allocates `num_blocks` blocks for KV yet to arrive (OutOfBlocksError when they are not
@@ -179,6 +182,14 @@ class Reservations:
         """Any thread: verify one layer group and write it into the reserved blocks; True once the
         request has all its layers. On a checksum mismatch nothing is written and the request fails.
         `payload_checksum` is the checksum a transport already computed while receiving, if any."""
+        try:
+            return self._install(header, payload, payload_checksum)
+        finally:
+            self._notify()
+
+    def _install(
+        self, header: KVGroupHeader, payload: Any, payload_checksum: Optional[int]
+    ) -> bool:
         reservation = self._get(header.request_id)
         actual = (
             checksum(memoryview(payload)[: header.payload_bytes])
@@ -220,6 +231,11 @@ class Reservations:
                 other_sender = sender is not None and reservation.sender not in (None, sender)
                 if reservation.error is None and not reservation.ready and not other_sender:
                     reservation.error = error
+            self._notify()
+
+    def _notify(self) -> None:
+        if self.on_event is not None:
+            self.on_event()
 
     def abort(self, request_id: str) -> bool:
         """Owner thread: drop a reservation now (ready or not) and free its blocks."""
@@ -263,8 +279,3 @@ class Reservations:
     def cancel_all(self) -> None:
         for request_id in list(self._by_request):
             self.abort(request_id)
-
-    @property
-    def num_reserved_requests(self) -> int:
-        with self._lock:
-            return len(self._by_request)

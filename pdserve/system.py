@@ -105,7 +105,7 @@ class ServeConfig:
     max_waiting_for_kv: int = 256  # of those, queued for KV room on a decode worker
     stream_interval: int = 1  # decode tokens per streamed message (router.router.RouterConfig)
     # "ttft:MS,tpot:MS": what completed requests are judged against and decode workers lend cores
-    # within; "auto": ttft:1000,tpot:50 where the workers serve bf16, ttft:4000,tpot:200 for fp32
+    # within; "auto": ttft:1000,tpot:50 where the workers serve bf16, ttft:4000,tpot:100 for fp32
     # CPUs (router/slo.py)
     slo: str = DEFAULT_SLO
 

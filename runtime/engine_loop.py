@@ -112,6 +112,11 @@ class EngineLoop:
             loop, outputs = listener
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
+    def wake(self) -> None:
+        """Any thread: the loop's hooks have news (a transport received something): it polls them
+        now rather than at its next idle tick."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()

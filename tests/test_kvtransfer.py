@@ -323,3 +323,24 @@ def test_transports_are_imported_only_when_chosen():
     )
     assert result.returncode == 0, result.stderr
     assert "unknown KV transport 'nope'; known: grpc, ray" in result.stdout
+
+
+def test_the_receiver_announces_each_layer_group_and_each_failure(grpc_pair):
+    """A decode worker's loop sleeps until its receiver has news (`on_event`), so every installed
+    group and every failure must announce itself, from whichever thread saw it."""
+    sender, receiver, sender_end, receiver_end = grpc_pair()
+    announced = []  # what the receiver's owner finds when it polls on each announcement
+    receiver.on_event = lambda: announced.append(receiver.poll())
+    open_handoff(sender, receiver, sender_end, 3, first_layers=slice(0, 1))
+    assert wait_for(lambda: len(announced) == 1)
+    assert not announced[0].ready and not announced[0].failed  # one layer of four: not ready yet
+    sender.send_layers("r", slice(1, None))
+    assert wait_for(lambda: any("r" in events.ready for events in announced))
+    receiver_end.allocator.free(next(e.ready["r"] for e in announced if "r" in e.ready))
+    assert wait_for(lambda: "r" in sender.poll().acknowledged)
+
+    announced.clear()
+    open_handoff(sender, receiver, sender_end, 3)
+    assert wait_for(lambda: len(announced) == 1)
+    sender.abort("r")
+    assert wait_for(lambda: any(dict(events.failed).get("r") for events in announced))
