@@ -64,7 +64,8 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: ModelConfig, freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:
     half = config.head_dim // 2
-    # Always on the CPU, also while a model is built on the meta device (where arange imports torch._dynamo).
+    # Always on the CPU, also while a model is built on the meta device (where arange imports
+    # torch._dynamo).
     positions = torch.arange(0, half, dtype=torch.float64, device="cpu")
     inv_freq = 1.0 / (config.rope_theta ** (positions * 2 / config.head_dim))
     scaling = config.rope_scaling
@@ -102,7 +103,8 @@ class RotaryEmbedding(nn.Module):
             )
             freqs = torch.outer(t, self.inv_freq.to(positions.device))
             emb = torch.cat((freqs, freqs), dim=-1)
-            # sin with rotate_half's sign folded in: rotate_half(x) * sin == swap_halves(x) * signed_sin, exactly
+            # sin with rotate_half's sign folded in:
+            # rotate_half(x) * sin == swap_halves(x) * signed_sin, exactly
             signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
             table = torch.stack((emb.cos(), signed_sin)).to(dtype)
             self._cos_sin = table
@@ -111,7 +113,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF's `x * cos + rotate_half(x) * sin`, bit for bit, in four ops (`signed_sin` from `cos_sin`)."""
+    """HF's `x * cos + rotate_half(x) * sin`, bit for bit, in four ops (`signed_sin` from
+    `cos_sin`)."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos + swapped * signed_sin
@@ -228,10 +231,10 @@ class Attention(nn.Module):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _blocked_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of a prompt's `n` new tokens `q` over `k`/`v`: the context before them (a cached
-        prefix, earlier chunks; all visible) followed by their own keys. `_PREFILL_BLOCK` queries at a time,
-        as two batched matmuls per block over only the keys before it (oneDNN's bf16 GEMM) and an fp32
-        softmax."""
+        """Causal attention of a prompt's `n` new tokens `q` over `k`/`v`: the context before them
+        (a cached prefix, earlier chunks; all visible) followed by their own keys. `_PREFILL_BLOCK`
+        queries at a time, as two batched matmuls per block over only the keys before it (oneDNN's
+        bf16 GEMM) and an fp32 softmax."""
         c = self.config
         n, group = q.shape[0], c.num_heads // c.num_kv_heads
         num_cached = k.shape[0] - n
@@ -253,7 +256,8 @@ class Attention(nn.Module):
                 .view(c.num_kv_heads, group, end - start, visible)
             )
             scores.mul_(self.scale)
-            # the context and earlier blocks are all visible; within the block, each query sees those before it
+            # the context and earlier blocks are all visible; within the block, each query sees
+            # those before it
             scores[..., num_cached + start : visible] += future[: end - start, : end - start]
             probs = (
                 scores.softmax(-1).to(q.dtype).view(c.num_kv_heads, group * (end - start), visible)
@@ -267,9 +271,10 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """The same as `_blocked_attention`, in two parts merged by their log-sum-exp: the new
-        tokens over their own keys through SDPA's causal CPU flash kernel (with AMX the fastest, and it
-        takes no mask that would let it see the context), and over the context, all visible, as two
-        batched matmuls (the context is short next to the prompt: a cached chat template, a chunk)."""
+        tokens over their own keys through SDPA's causal CPU flash kernel (with AMX the fastest, and
+        it takes no mask that would let it see the context), and over the context, all visible, as
+        two batched matmuls (the context is short next to the prompt: a cached chat template, a
+        chunk)."""
         c = self.config
         n, group = q.shape[0], c.num_heads // c.num_kv_heads
         num_cached = k.shape[0] - n
@@ -287,8 +292,8 @@ class Attention(nn.Module):
         context_lse = scores.logsumexp(-1)
         probs = scores.sub_(context_lse.unsqueeze(-1)).exp_().to(q.dtype)
         context = torch.bmm(probs, v[:num_cached].transpose(0, 1))
-        # merged where the flash kernel left its output, [n, heads, head_dim]: the context's share of
-        # each query's softmax mass is sigmoid(context_lse - own_lse)
+        # merged where the flash kernel left its output, [n, heads, head_dim]: the context's share
+        # of each query's softmax mass is sigmoid(context_lse - own_lse)
         context = context.view(c.num_heads, n, c.head_dim).transpose(0, 1)
         context_share = torch.sigmoid(
             context_lse.view(c.num_heads, n).transpose(0, 1) - own_lse[0].transpose(0, 1)
@@ -304,15 +309,17 @@ class Attention(nn.Module):
         return load_amx_prefill()(q, k, v, self.scale)
 
 
-# bf16 prompts on CPUs without AMX run attention as blocked matmuls instead of SDPA's CPU flash kernel:
-# on an AVX512-BF16 AMD EPYC a whole 512-token prefill is 15% faster on one core (1024: 17%, 2000: 11%;
-# equal at 128). With AMX (Intel Xeon) SDPA's flash kernel is the faster: 512 tokens' attention over 30
-# layers 57 against 106 ms on one core, 31 against 78 on two; 1024 tokens 178 against 471 ms.
-# A prompt with context before it (a cached prefix, a later chunk) needs a mask SDPA's flash kernel does
-# not take, and SDPA's masked path cost a 542-token prompt with a 16-token cached prefix 569-592 ms on one
-# core of that EPYC, against 368-376 ms for the same prompt uncached. Such a prompt takes the blocked
-# matmuls without AMX, and with AMX the flash kernel over its own tokens merged with the context: 512
-# tokens after 16, 30 layers, 84-88 ms against 159-218 blocked on one core, 55 against 85 on two.
+# bf16 prompts on CPUs without AMX run attention as blocked matmuls instead of SDPA's CPU flash
+# kernel: on an AVX512-BF16 AMD EPYC a whole 512-token prefill is 15% faster on one core (1024: 17%,
+# 2000: 11%; equal at 128). With AMX (Intel Xeon) SDPA's flash kernel is the faster: 512 tokens'
+# attention over 30 layers 57 against 106 ms on one core, 31 against 78 on two; 1024 tokens 178
+# against 471 ms.
+# A prompt with context before it (a cached prefix, a later chunk) needs a mask SDPA's flash kernel
+# does not take, and SDPA's masked path cost a 542-token prompt with a 16-token cached prefix
+# 569-592 ms on one core of that EPYC, against 368-376 ms for the same prompt uncached. Such a
+# prompt takes the blocked matmuls without AMX, and with AMX the flash kernel over its own tokens
+# merged with the context: 512 tokens after 16, 30 layers, 84-88 ms against 159-218 blocked on one
+# core, 55 against 85 on two.
 # fp32 keeps SDPA, the path held token-identical to HF.
 # With AMX and head_dim 64, bf16 prompts take the AMX flash-attention C kernel instead, context or
 # none (engine/prefill_attention.py). Intel Xeon (AMX_BF16, get_cpu_capability AVX512), torch 2.13,
@@ -328,13 +335,14 @@ _AMX = torch.cpu._is_amx_tile_supported()
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """`cache[block_ids]` for a 1-D or 2-D table of block ids, through `index_select` (advanced indexing
-    takes 5x as long on CPU for the same copy: 0.21 against 0.04 ms for 44 blocks here)."""
+    """`cache[block_ids]` for a 1-D or 2-D table of block ids, through `index_select` (advanced
+    indexing takes 5x as long on CPU for the same copy: 0.21 against 0.04 ms for 44 blocks here)."""
     return cache.index_select(0, block_ids.reshape(-1)).view(*block_ids.shape, *cache.shape[1:])
 
 
 def _prefill_kernel(q: torch.Tensor, num_cached_tokens: int) -> Optional[Callable]:
-    """The attention method for a bf16 prompt on CPU after `num_cached_tokens` of context (None: SDPA)."""
+    """The attention method for a bf16 prompt on CPU after `num_cached_tokens` of context
+    (None: SDPA)."""
     if q.dtype != torch.bfloat16 or q.device.type != "cpu":
         return None
     if not _AMX:
@@ -381,13 +389,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Parameter names follow HF's `LlamaForCausalLM` except the fused `qkv_proj` and `gate_up_proj`."""
+    """Parameter names follow HF's `LlamaForCausalLM` except the fused `qkv_proj` and
+    `gate_up_proj`."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        # Weights are always loaded over the initial values, so the embedding skips its random init: on the
-        # meta device `normal_` imports torch._dynamo, a second of every worker's start.
+        # Weights are always loaded over the initial values, so the embedding skips its random init:
+        # on the meta device `normal_` imports torch._dynamo, a second of every worker's start.
         self.embed_tokens = nn.Embedding(
             config.vocab_size,
             config.hidden_size,
@@ -406,7 +415,8 @@ class LlamaModel(nn.Module):
         self.between_layers: Optional[Callable[[], None]] = None
 
     def use_decode_kernel(self, kernel: Optional["PagedDecodeAttention"]) -> None:
-        """Decode attention reads the paged cache in place through `kernel` (None: gather + SDPA)."""
+        """Decode attention reads the paged cache in place through `kernel`
+        (None: gather + SDPA)."""
         for layer in self.layers:
             layer.self_attn.decode_kernel = kernel
 
@@ -418,7 +428,8 @@ class LlamaModel(nn.Module):
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        """Logits (fp32) for `batch.logits_indices` rows, after writing every token's K/V to the cache."""
+        """Logits (fp32) for `batch.logits_indices` rows, after writing every token's K/V to the
+        cache."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):

@@ -73,7 +73,8 @@ class Reservations:
         # read (tests hold a transfer there: runtime.parking.Parking).
         self.before_payload: Optional[Callable[[str], None]] = None
         # Called (any thread) once a layer group was installed or refused, or a request failed: the
-        # owner's next `poll` has news (a decode worker wakes its loop instead of polling on a timer).
+        # owner's next `poll` has news (a decode worker wakes its loop instead of polling on a
+        # timer).
         self.on_event: Optional[Callable[[], None]] = None
 
     def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:

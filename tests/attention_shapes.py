@@ -1,4 +1,5 @@
-"""An `Attention` layer of a given head shape, for the attention kernels' tests (no weights used)."""
+"""An `Attention` layer of a given head shape, for the attention kernels' tests (no weights
+used)."""
 
 from engine.config import ModelConfig
 from engine.model import Attention

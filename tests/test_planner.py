@@ -1,6 +1,7 @@
-"""The planner (pdserve/planner/): the simulator's queueing against M/D/1, its use of the router's policy,
-the search on a synthetic profile with a known answer, and profile -> simulate -> plan through the CLI.
-No Ray: the CLI round trip profiles with --quick (the handoff's in-process floor)."""
+"""The planner (pdserve/planner/): the simulator's queueing against M/D/1, its use of the router's
+policy, the search on a synthetic profile with a known answer, and profile -> simulate -> plan
+through the CLI. No Ray: the CLI round trip profiles with --quick (the handoff's in-process
+floor)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def synthetic_profile(
     decode_per_seq_s: float = 0.001,
     threads: tuple[int, ...] = (1, 2),
 ) -> Profile:
-    """Linear costs: prefill `prefill_s_per_token` per token, decode `base + per_seq x batch`, both divided by
-    the threads; a 1 ms handoff of any size over "ray"."""
+    """Linear costs: prefill `prefill_s_per_token` per token, decode `base + per_seq x batch`, both
+    divided by the threads; a 1 ms handoff of any size over "ray"."""
     return Profile(
         machine={"cores": 2, "dtype": "bfloat16"},
         kv_bytes_per_token=1000,
@@ -45,8 +46,9 @@ def synthetic_profile(
 
 @pytest.mark.parametrize("utilisation", [0.3, 0.6])
 def test_prefill_queue_matches_md1(utilisation):
-    """One prefill worker, one 512-token prompt per step (deterministic service S), Poisson arrivals:
-    the mean wait before its prefill starts is M/D/1's rho / (2 mu (1 - rho)), within 5 % over 3 x 15k requests."""
+    """One prefill worker, one 512-token prompt per step (deterministic service S), Poisson
+    arrivals: the mean wait before its prefill starts is M/D/1's rho / (2 mu (1 - rho)), within 5 %
+    over 3 x 15k requests."""
     profile = synthetic_profile()
     service_s = profile.prefill_s(512)
     rate = utilisation / service_s
@@ -65,8 +67,8 @@ def test_prefill_queue_matches_md1(utilisation):
 
 
 def test_placement_is_the_routers_policy():
-    """Auto prefills prompts of at most 256 tokens on the decode worker (router.pd_policy.decide), longer
-    ones on the prefill pool; `remote` sends all to the prefill pool."""
+    """Auto prefills prompts of at most 256 tokens on the decode worker (router.pd_policy.decide),
+    longer ones on the prefill pool; `remote` sends all to the prefill pool."""
     profile = synthetic_profile()
     short = Workload(input_tokens=(200, 256), output_tokens=(4, 4), num_requests=50).requests(1.0)
     long = Workload(input_tokens=(300, 400), output_tokens=(4, 4), num_requests=50).requests(1.0)
@@ -92,9 +94,9 @@ def test_core_lending_shortens_prefill_when_decode_is_idle():
 
 
 def test_plan_finds_the_known_cheapest_shape():
-    """Prefill 0.25 s per 512-token prompt and cheap decode steps, 6 req/s, TTFT <= 2 s: one prefill worker
-    cannot keep up (rho 1.5), two can (rho 0.75), and one decode worker suffices: 2 prefill + 1 decode,
-    3 CPUs, after every 2-CPU shape failed."""
+    """Prefill 0.25 s per 512-token prompt and cheap decode steps, 6 req/s, TTFT <= 2 s: one prefill
+    worker cannot keep up (rho 1.5), two can (rho 0.75), and one decode worker suffices:
+    2 prefill + 1 decode, 3 CPUs, after every 2-CPU shape failed."""
     profile = synthetic_profile(
         prefill_s_per_token=0.25 / 512, decode_base_s=0.005, decode_per_seq_s=0.0001, threads=(1,)
     )

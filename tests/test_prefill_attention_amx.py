@@ -74,7 +74,8 @@ def test_scores_that_keep_growing_along_the_keys(num_cached):
     got = _prefill_kernel(q, num_cached)(attention_layer(9, 3, 64), q, k, v)
     reference = _reference(q, k, v)
     # The AMX kernel keeps its scores in fp32. The torch path of other CPUs gets them from a bf16
-    # matmul, rounded to bf16 (scores near 20 lose ~0.1): it is held to plain bf16 attention's error.
+    # matmul, rounded to bf16 (scores near 20 lose ~0.1): it is held to plain bf16 attention's
+    # error.
     atol = (
         2e-2 if AMX else max(2e-2, 1.25 * (_bf16_scores_attention(q, k, v) - reference).abs().max())
     )

@@ -33,7 +33,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--serving",
         default="on",
         choices=["on", "off", "only"],
-        help="also fit the serving path's costs on a running `pdserve serve --prefill 1 --decode 1` "
+        help="also fit the serving path's costs on a running "
+        "`pdserve serve --prefill 1 --decode 1` "
         "(a minute or two; --quick: off); only: add them to the profile already at --out",
     )
     p.set_defaults(handler=_profile)

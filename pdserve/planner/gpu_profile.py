@@ -4,10 +4,11 @@ planning at scale where this machine has no GPU.
     python -m pdserve.planner.gpu_profile benchmarks/results/gpu/h200_speed.json --out h200-8b.json
 
 What is measured there and used as it is:
-- prefill: the engine's TTFT of one prompt alone at 128..4096 tokens (`engine_speed.pdserve.ttft_ms`);
+- prefill: the engine's TTFT of one prompt alone at 128..4096 tokens
+  (`engine_speed.pdserve.ttft_ms`);
 - decode at batch 1: the TPOT of one stream (`tpot_ms`, CUDA graphs on), at its mean context;
-- decode at batch B: the batch run (B prompts of P tokens, O output tokens each, `batch_s`), less its
-  prefill (B x P tokens at the slope of the two longest measured prompts), over its O - 1 steps;
+- decode at batch B: the batch run (B prompts of P tokens, O output tokens each, `batch_s`), less
+  its prefill (B x P tokens at the slope of the two longest measured prompts), over its O - 1 steps;
 - the KV handoff: `kv_handoff`'s pinned host round trip (GPU -> host -> GPU, the path a transfer
   between nodes takes through host memory) and CUDA IPC within a node, at the measured sizes.
 What is derived, and says so in the profile's notes:
@@ -42,8 +43,8 @@ def from_gpu_check(
     kv_fraction: float = 0.9,
     router_cpu_s_per_token: float = 80e-6,
 ) -> Profile:
-    """`speed`: scripts/gpu_check.py's JSON (engine_speed and kv_handoff sections). The batch sizes are
-    those of scripts/gpu_common.py's FULL sizes, which wrote the stored result."""
+    """`speed`: scripts/gpu_check.py's JSON (engine_speed and kv_handoff sections). The batch sizes
+    are those of scripts/gpu_common.py's FULL sizes, which wrote the stored result."""
     engine = speed["sections"]["engine_speed"]
     figures = engine["pdserve"]
     model = engine["model"]
@@ -114,11 +115,13 @@ def from_gpu_check(
             f"decode at batch {batch_requests}: the batch run less its prefill "
             f"({batch_prefill_s * 1e3:.0f} ms at {slope_s * 1e6:.1f} us/token) over "
             f"{batch_output_tokens - 1} steps",
-            f"decode at {long_context_tokens} tokens: derived, + {per_token_read_s * 1e9:.1f} ns per "
+            f"decode at {long_context_tokens} tokens: derived, "
+            f"+ {per_token_read_s * 1e9:.1f} ns per "
             f"sequence per context token (KV read at {read_bytes_s / 1e12:.2f} TB/s)",
             f"kv_capacity_tokens: {kv_fraction:.0%} of {memory} bytes less {shape['weight_bytes']} "
             "of weights",
-            "router_cpu_s_per_token: docs/benchmarks.md's router_bench, steady router CPU per token "
+            "router_cpu_s_per_token: docs/benchmarks.md's router_bench, "
+            "steady router CPU per token "
             "at stream interval 1 (0.07-0.09 ms on a CPU core of the 2-core machine)",
         ),
     )

@@ -1,8 +1,8 @@
-"""The KV handoff timed as the system does it: two Ray actors (a prefill end and a decode end, one CPU
-and one torch thread each) with paged caches of the model's KV layout, a sender and a receiver of the
-named transport. One handoff runs from the receiver's reservation to its report that the KV is
-installed and verified; for `ray` the driver routes the delivery (as the router does), for `grpc` the
-sender streams straight to the receiver's server on 127.0.0.1. The method of
+"""The KV handoff timed as the system does it: two Ray actors (a prefill end and a decode end, one
+CPU and one torch thread each) with paged caches of the model's KV layout, a sender and a receiver
+of the named transport. One handoff runs from the receiver's reservation to its report that the KV
+is installed and verified; for `ray` the driver routes the delivery (as the router does), for `grpc`
+the sender streams straight to the receiver's server on 127.0.0.1. The method of
 benchmarks/kv_transfer_bench.py, without its comparisons.
 """
 
@@ -87,8 +87,9 @@ class _End:
 def measure_handoff(
     layout, transport: str, prompt_tokens: Sequence[int], repeats: int
 ) -> list[HandoffPoint]:
-    """Median handoff time per prompt length (after one warm-up), one pair of actors for all lengths.
-    Starts a local Ray node (on 127.0.0.1) unless one is up; shuts it down if it started it."""
+    """Median handoff time per prompt length (after one warm-up), one pair of actors for all
+    lengths. Starts a local Ray node (on 127.0.0.1) unless one is up; shuts it down if it started
+    it."""
     # read at import: keeps Ray on 127.0.0.1
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
@@ -148,8 +149,8 @@ def measure_handoff(
 def measure_inproc(
     cache, block_ids_for, prompt_tokens: Sequence[int], repeats: int
 ) -> list[HandoffPoint]:
-    """The floor without a transport (`--quick`): export the blocks and import them into others of the
-    same cache, in this process. `block_ids_for(n)` -> two lists of n free blocks."""
+    """The floor without a transport (`--quick`): export the blocks and import them into others of
+    the same cache, in this process. `block_ids_for(n)` -> two lists of n free blocks."""
     points = []
     for tokens in prompt_tokens:
         num_blocks = -(-tokens // cache.layout.block_size_tokens)

@@ -1,8 +1,9 @@
-"""The measured costs of one machine and model (`pdserve profile` writes them, the simulator reads them).
+"""The measured costs of one machine and model (`pdserve profile` writes them, the simulator reads
+them).
 
 Every figure is a measurement (pdserve/planner/profiler.py); between and beyond the measured points
-the simulator interpolates piecewise-linearly (and extrapolates from the last two points), so a profile
-over 128..2048 prompt tokens answers for 3000 with the slope of its longest prompts.
+the simulator interpolates piecewise-linearly (and extrapolates from the last two points), so a
+profile over 128..2048 prompt tokens answers for 3000 with the slope of its longest prompts.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ class HandoffPoint:
 @dataclass(frozen=True)
 class ServingCosts:
     """The serving path's own costs beyond the engine steps, fitted on a running system
-    (serving_probe.measure_serving): what a request and a decode step cost between the client and the
-    engine (the router, Ray calls, the token stream, the client) on the machine the workers share, and
-    what a step run on cores borrowed from another worker costs beyond the engine's own step."""
+    (serving_probe.measure_serving): what a request and a decode step cost between the client and
+    the engine (the router, Ray calls, the token stream, the client) on the machine the workers
+    share, and what a step run on cores borrowed from another worker costs beyond the engine's own
+    step."""
 
     request_s: float  # per request: admission, tokenization, the calls before and after its prefill
     step_s: float  # per decode step: the engine loop's own work and the step's stream item
@@ -101,7 +103,8 @@ class Profile:
     # -- costs -----------------------------------------------------------------------------------
 
     def prefill_s(self, prompt_tokens: int, threads: int = 1) -> float:
-        """One prompt of `prompt_tokens` prefilled alone on `threads` (the nearest measured count)."""
+        """One prompt of `prompt_tokens` prefilled alone on `threads` (the nearest measured
+        count)."""
         if prompt_tokens <= 0:
             return 0.0
         points = [

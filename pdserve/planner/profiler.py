@@ -1,10 +1,11 @@
-"""`pdserve profile`: the costs the simulator needs, measured with the engine and transports themselves.
+"""`pdserve profile`: the costs the simulator needs, measured with the engine and transports
+themselves.
 
 - prefill: one engine step prefilling one fresh prompt (random tokens, nothing cached), per prompt
   length and torch thread count;
 - decode: one engine decode step over a batch of sequences of a given context, per batch size,
-  context and thread count (the sequences are admitted with `start_decode` onto allocated blocks, as a
-  decode worker admits transferred KV, so no prompt is prefilled to build them);
+  context and thread count (the sequences are admitted with `start_decode` onto allocated blocks, as
+  a decode worker admits transferred KV, so no prompt is prefilled to build them);
 - KV handoff: per transport, between two Ray actors (handoff_probe.py); `--quick`: in this process;
 - the router's Python work per streamed token: unpacking the decode worker's chunk and detokenizing.
 Medians of `repeats` after a warm-up.
@@ -107,7 +108,8 @@ def measure(
             ):
                 decode.append(DecodePoint(batch, context, threads, seconds))
                 log(
-                    f"decode batch {batch:3d} x {context:5d} context, {threads} thread(s): {seconds * 1e3:7.1f} ms"
+                    f"decode batch {batch:3d} x {context:5d} context, {threads} thread(s): "
+                    f"{seconds * 1e3:7.1f} ms"
                 )
     torch.set_num_threads(min(grid.threads))
     handoff = []
@@ -130,7 +132,8 @@ def measure(
         handoff += points
         for point in points:
             log(
-                f"KV handoff over {transport}: {point.kv_bytes / 1e6:6.1f} MB in {point.seconds * 1e3:7.1f} ms"
+                f"KV handoff over {transport}: {point.kv_bytes / 1e6:6.1f} MB "
+                f"in {point.seconds * 1e3:7.1f} ms"
             )
     router_s = _router_s_per_token(engine.tokenizer, random_prompt)
     log(f"router work per streamed token: {router_s * 1e6:.1f} us")
@@ -199,7 +202,8 @@ def _prefill_once(engine, prompt: list[int]) -> float:
 
 
 def _prefill_after_context_once(engine, context: list[int], new: list[int]) -> float:
-    """The step prefilling `new` after `context`, which an earlier request left in the prefix cache."""
+    """The step prefilling `new` after `context`, which an earlier request left in the prefix
+    cache."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -221,7 +225,8 @@ def _prefill_after_context_once(engine, context: list[int], new: list[int]) -> f
 
 
 def _decode_steps(engine, context: int, batch_sizes, repeats: int, random_prompt):
-    """Grows one running batch of `context`-token sequences through `batch_sizes`; the median step at each."""
+    """Grows one running batch of `context`-token sequences through `batch_sizes`; the median step
+    at each."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)

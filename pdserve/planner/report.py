@@ -1,8 +1,9 @@
 """What a simulated run predicts: latency percentiles, goodput under the SLO, utilisation per pool.
 
-Counted as `pdserve bench` and vLLM's client count them (router/slo.py): TTFT from arrival to the first
-token; TPOT over the tokens after the first; ITL every gap between two tokens of a stream; goodput the
-completed requests that met the SLO per second of the run (first arrival at 0 to the last token).
+Counted as `pdserve bench` and vLLM's client count them (router/slo.py): TTFT from arrival to the
+first token; TPOT over the tokens after the first; ITL every gap between two tokens of a stream;
+goodput the completed requests that met the SLO per second of the run (first arrival at 0 to the
+last token).
 """
 
 from __future__ import annotations

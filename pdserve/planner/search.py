@@ -1,11 +1,12 @@
-"""`pdserve plan`: the cheapest system that meets the SLO at a rate, or the highest rate a size holds.
+"""`pdserve plan`: the cheapest system that meets the SLO at a rate, or the highest rate a size
+holds.
 
-A shape meets the target when at least `attainment` of the simulated requests (default 90 %) meet both
-SLO targets (router/slo.py). Cost is the CPUs Ray accounts to the workers (workers x CPUs per worker;
-on GPUs read it as devices): shapes are tried cheapest first, every shape of a cost is simulated, and
-the first cost with a shape that meets the target wins; among those, the highest attainment, then the
-fewest workers. The same workload draw (its seed) is used for every shape, so they are compared on the
-same requests.
+A shape meets the target when at least `attainment` of the simulated requests (default 90 %) meet
+both SLO targets (router/slo.py). Cost is the CPUs Ray accounts to the workers (workers x CPUs per
+worker; on GPUs read it as devices): shapes are tried cheapest first, every shape of a cost is
+simulated, and the first cost with a shape that meets the target wins; among those, the highest
+attainment, then the fewest workers. The same workload draw (its seed) is used for every shape, so
+they are compared on the same requests.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def best_of(
     node_cores: Optional[int] = None,
     log: Callable[[str], None] = lambda line: None,
 ) -> Plan:
-    """Of `shapes` that take the same machine (say all of one node), the one with the highest goodput
-    at `rate_rps`; ties: the higher attainment, then the fewer CPUs. Simulated on the same requests."""
+    """Of `shapes` that take the same machine (say all of one node), the one with the highest
+    goodput at `rate_rps`; ties: the higher attainment, then the fewer CPUs. Simulated on the same
+    requests."""
     requests = workload.requests(rate_rps)
     tried, best = [], None
     for shape in shapes:
@@ -164,8 +166,9 @@ def highest_rate(
     steps: int = 7,
     log: Callable[[str], None] = lambda line: None,
 ) -> Plan:
-    """For each shape within `cluster_cpus` that uses more than half of it: the highest rate (bisected,
-    `steps` times after doubling from 0.25 req/s) at which it meets the target; the best of them."""
+    """For each shape within `cluster_cpus` that uses more than half of it: the highest rate
+    (bisected, `steps` times after doubling from 0.25 req/s) at which it meets the target; the best
+    of them."""
     best: Optional[tuple[float, SystemShape, Report]] = None
     tried = []
     for shape in space.shapes(cluster_cpus):

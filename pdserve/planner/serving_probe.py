@@ -1,12 +1,13 @@
 """The serving path's own costs (`ServingCosts`), fitted on a running system against the simulator.
 
-The engine steps (profiler.py) are not what a client sees: the router admits and tokenizes, Ray calls
-reach the workers, every decode step's tokens travel to the router and on to the client, all on the
-cores the workers compute on; and a step on cores borrowed from another worker (runtime/cores.py)
-costs more than the engine's step at that thread count. This probe starts `pdserve serve --prefill 1
---decode 1` and sends it loads with `pdserve bench` (512 prompt tokens, 128 output tokens, ignore-eos):
-- with `--lend-cores off` (each worker on its own core, where the simulator's core model is exact, so
-  what is left is the serving path alone): A, one request at a time; B, `concurrency` at a time;
+The engine steps (profiler.py) are not what a client sees: the router admits and tokenizes, Ray
+calls reach the workers, every decode step's tokens travel to the router and on to the client, all
+on the cores the workers compute on; and a step on cores borrowed from another worker
+(runtime/cores.py) costs more than the engine's step at that thread count. This probe starts
+`pdserve serve --prefill 1 --decode 1` and sends it loads with `pdserve bench` (512 prompt tokens,
+128 output tokens, ignore-eos):
+- with `--lend-cores off` (each worker on its own core, where the simulator's core model is exact,
+  so what is left is the serving path alone): A, one request at a time; B, `concurrency` at a time;
 - with lending on: C, one request at a time, so each step runs on the other worker's idle core too.
 The simulator runs the same loads on the profile, and what it misses is fitted:
   request_s = TTFT_A - sim TTFT_A;  step_s + b x token_s = TPOT - sim TPOT, at b = 1 (A) and
@@ -46,7 +47,8 @@ def measure_serving(
         log(f"serving probe: pdserve serve --prefill 1 --decode 1 --lend-cores off, port {port}")
         lone = _bench(port, lone_requests, 1, seed=5)
         log(
-            f"  one at a time: TTFT p50 {lone['p50_ttft_ms']:.1f}, TPOT p50 {lone['p50_tpot_ms']:.1f} ms"
+            f"  one at a time: TTFT p50 {lone['p50_ttft_ms']:.1f}, "
+            f"TPOT p50 {lone['p50_tpot_ms']:.1f} ms"
         )
         batch = _bench(port, 2 * concurrency, concurrency, seed=6)
         log(f"  {concurrency} at a time: TPOT p50 {batch['p50_tpot_ms']:.1f} ms")
@@ -54,7 +56,8 @@ def measure_serving(
         log(f"serving probe: the same with --lend-cores all, port {port}")
         lent = _bench(port, lone_requests, 1, seed=7)
         log(
-            f"  one at a time: TTFT p50 {lent['p50_ttft_ms']:.1f}, TPOT p50 {lent['p50_tpot_ms']:.1f} ms"
+            f"  one at a time: TTFT p50 {lent['p50_ttft_ms']:.1f}, "
+            f"TPOT p50 {lent['p50_tpot_ms']:.1f} ms"
         )
     return fit(profile, lone, batch, lone_requests, concurrency, lent)
 

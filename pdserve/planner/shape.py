@@ -1,8 +1,8 @@
 """A system's configuration as the simulator and planner see it: what `pdserve serve` would be told.
 
 Written `1p1d`, `2p2d@0.5` (CPUs per worker after `@`), `colo2`, with `/remote` or `/local` for a PD
-policy other than auto: `2p1d@1/remote`. The router's own configs are built from it (`pd`, `routing`),
-so the simulator decides with the router's code.
+policy other than auto: `2p1d@1/remote`. The router's own configs are built from it (`pd`,
+`routing`), so the simulator decides with the router's code.
 """
 
 from __future__ import annotations
@@ -106,5 +106,8 @@ class SystemShape:
         if self.mode == "colocated":
             flags = f"--mode colocated --decode {self.num_decode}"
         else:
-            flags = f"--prefill {self.num_prefill} --decode {self.num_decode} --pd-policy {self.pd_policy}"
+            flags = (
+                f"--prefill {self.num_prefill} --decode {self.num_decode} "
+                f"--pd-policy {self.pd_policy}"
+            )
         return f"{flags} --cpus-per-worker {self.cpus_per_worker:g} --transport {self.transport}"

@@ -1,20 +1,23 @@
-"""`pdserve simulate`: a discrete-event model of a pdserve system as it schedules, timed by a profile.
+"""`pdserve simulate`: a discrete-event model of a pdserve system as it schedules, timed by a
+profile.
 
 What it models, and whose code decides:
-- placement: the router's own `router.kv_index.rank` over `WorkerHandle`s whose counters the simulator
-  keeps as the router does (queued prompt tokens, requests in flight), fed a `PrefixIndex` with the
-  blocks each worker holds; the PD decision is `router.pd_policy.decide` itself;
+- placement: the router's own `router.kv_index.rank` over `WorkerHandle`s whose counters the
+  simulator keeps as the router does (queued prompt tokens, requests in flight), fed a `PrefixIndex`
+  with the blocks each worker holds; the PD decision is `router.pd_policy.decide` itself;
 - a prefill worker: FIFO prompts batched under the engine's token budget, chunked beyond it; a step
-  costs the sum of its sequences' chunks (`Profile.chunk_s`); the first token at the step's end; then
-  the KV handoff (`Profile.handoff_s` of the blocks the decode worker lacks) before decoding starts;
+  costs the sum of its sequences' chunks (`Profile.chunk_s`); the first token at the step's end;
+  then the KV handoff (`Profile.handoff_s` of the blocks the decode worker lacks) before decoding
+  starts;
 - a decode or colocated worker: continuous batching as `engine.scheduler.Scheduler.schedule` does it
   (prefill chunks of `decode_interleave_tokens` alternating with decode steps while streams run, the
   whole budget when none do); a decode step costs `Profile.decode_step_s(batch, mean context)`;
-- cores (runtime/cores.py): workers are packed onto nodes of the profile's cores with home cores as the
-  workers claim them; workers sharing a home core slow each other down (the busy ones divide it); a step
-  borrows the home cores of idle workers of its node, and a prefill step the cores of a worker that is
-  only decoding, for the slack its streams have against the SLO's TPOT (the engine loop's formula), at
-  most `CorePolicy.max_pause_tpot` budgets: that worker's next step waits meanwhile.
+- cores (runtime/cores.py): workers are packed onto nodes of the profile's cores with home cores as
+  the workers claim them; workers sharing a home core slow each other down (the busy ones divide
+  it); a step borrows the home cores of idle workers of its node, and a prefill step the cores of a
+  worker that is only decoding, for the slack its streams have against the SLO's TPOT (the engine
+  loop's formula), at most `CorePolicy.max_pause_tpot` budgets: that worker's next step waits
+  meanwhile.
 - the serving path (`Profile.serving`, fitted on a running system): a fixed cost per request before
   placement (the router, Ray calls, the first token's way back), per decode step a fixed cost plus
   one per token streamed (the stream item, the router's and client's work on the same cores), and a
@@ -120,7 +123,8 @@ class Simulation:
         return _Worker(WorkerHandle(actor=None, info=info), role, node=0, home=())
 
     def _place_on_nodes(self, workers: list[_Worker]) -> None:
-        """First fit by Ray CPUs, one node after another; home cores as runtime/cores.py claims them."""
+        """First fit by Ray CPUs, one node after another; home cores as runtime/cores.py claims
+        them."""
         cpus = self.shape.cpus_per_worker
         per_node = max(1, int(self.node_cores / cpus + 1e-9))
         threads = min(self.shape.threads_per_worker, self.node_cores)
@@ -233,7 +237,7 @@ class Simulation:
     def _by_handle(self, handle: WorkerHandle) -> _Worker:
         return next(w for w in self.prefill + self.decode if w.handle is handle)
 
-    # -- a worker's next step, as engine.scheduler.Scheduler.schedule picks it ----------------------
+    # -- a worker's next step, as engine.scheduler.Scheduler.schedule picks it ---------------------
 
     def _start_step(self, worker: _Worker) -> None:
         budget = self.shape.max_num_batched_tokens
@@ -323,8 +327,8 @@ class Simulation:
         return base_s
 
     def _slack_s(self, owner: _Worker, now_s: float) -> float:
-        """The engine loop's slack (`runtime.cores.decode_slack_s`) for the owner's running streams; 0
-        (nothing to lend) where it has none."""
+        """The engine loop's slack (`runtime.cores.decode_slack_s`) for the owner's running streams;
+        0 (nothing to lend) where it has none."""
         if not owner.decode_steps:
             return 0.0
         streams = [

@@ -2,10 +2,11 @@
 
     python -m pdserve.planner.validation PROFILE RUNS NAME=SHAPE ... [--slo ttft:1000,tpot:50]
 
-RUNS is a folder of benchmarks/results/planner/validate.sh: NAME.json (a sweep of the random dataset)
-and NAME-conversation.json (the conversation dataset) per system. Each rate of a sweep is simulated on
-the arrivals the client drew for it (`arrival=bench`, seed = the run's seed + the rate's index), with
-the run's lengths; a row is predicted / measured (miss). Prints a Markdown table; --json the figures.
+RUNS is a folder of benchmarks/results/planner/validate.sh: NAME.json (a sweep of the random
+dataset) and NAME-conversation.json (the conversation dataset) per system. Each rate of a sweep is
+simulated on the arrivals the client drew for it (`arrival=bench`, seed = the run's seed + the
+rate's index), with the run's lengths; a row is predicted / measured (miss). Prints a Markdown
+table; --json the figures.
 """
 
 from __future__ import annotations

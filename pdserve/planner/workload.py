@@ -3,11 +3,13 @@
 `--workload in=512,out=128,n=200` (the keys below; lengths "A-B" are uniform in [A, B]):
   in, out       prompt and output tokens (out: max_tokens with ignore_eos, as `pdserve bench` sends)
   n             requests
-  arrival       poisson (exponential gaps, the default, as `pdserve bench --request-rate`), fixed, or
-                bench: the very arrivals (and think times) `pdserve bench --seed SEED` sends at its
-                first rate (its k-th rate of a sweep: seed=SEED+k); the lengths are still drawn here
-  multi         the share of requests that are a later turn of an earlier conversation: their prompt is
-                that turn's prompt and answer plus `turn` new tokens (prefix caching can skip the rest)
+  arrival       poisson (exponential gaps, the default, as `pdserve bench --request-rate`), fixed,
+                or bench: the very arrivals (and think times) `pdserve bench --seed SEED` sends at
+                its first rate (its k-th rate of a sweep: seed=SEED+k); the lengths are still drawn
+                here
+  multi         the share of requests that are a later turn of an earlier conversation: their prompt
+                is that turn's prompt and answer plus `turn` new tokens (prefix caching can skip the
+                rest)
   turn          new tokens of a later turn (default 64)
   seed          the random stream (default 0)
 Or conversations, as `pdserve bench --dataset conversation` sends them (`users` > 0):
@@ -76,7 +78,8 @@ class Workload:
 
     @classmethod
     def parse(cls, text: str) -> "Workload":
-        """`key=value,...` (see the module's docstring); ValueError naming the part that is wrong."""
+        """`key=value,...` (see the module's docstring); ValueError naming the part that is
+        wrong."""
         fields: dict = {}
         for part in (p.strip() for p in text.split(",") if p.strip()):
             key, sep, value = part.partition("=")
@@ -106,7 +109,8 @@ class Workload:
                     raise KeyError(key)
             except (KeyError, ValueError):
                 raise ValueError(
-                    f"workload part {part!r}: expected in=N[-M], out=N[-M], n=N, arrival=poisson|fixed, "
+                    f"workload part {part!r}: expected in=N[-M], out=N[-M], n=N, "
+                    "arrival=poisson|fixed, "
                     "multi=SHARE, turn=N, seed=N, users=N, turns=N, system=N, think=S or template=N"
                 ) from None
         return cls(**fields)
