@@ -7,7 +7,8 @@
 #     bash benchmarks/vs_vllm.sh VLLM_WORK OUT RATE NUM_PROMPTS NAME:"pdserve serve flags" ... [vllm:DTYPE]
 # e.g. bash benchmarks/vs_vllm.sh /work/vllm-anchor bench-results/vs 0.5 32 \
 #        "pd-auto:--prefill 1 --decode 1" "colocated:--mode colocated --decode 2" vllm:float32
-# PDSERVE_PYTHONPATH runs another checkout's pdserve with this venv (a same-run baseline of older code).
+# PDSERVE_PYTHONPATH runs another checkout's pdserve with this venv (a same-run baseline of older code):
+# the server starts in that checkout, since Ray puts the driver's directory first on its workers' path.
 # SEED: the request seed every system of this run gets (default: one drawn per run), so all see the same
 # prompts and arrivals; give a rate the same SEED in every run that compares at it.
 # BENCH_FLAGS: more `vllm bench serve` flags for every system, e.g. an idle run (one request at a time):
@@ -22,7 +23,7 @@ WORK=$1; OUT=$2; RATE=$3; N=$4; shift 4
 PY=${PY:-.venv/bin/python}
 PORT=18000
 SEED=${SEED:-$RANDOM}
-mkdir -p "$OUT"
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); PY=$(realpath -s "$PY")
 python3 -c "import json, platform; print(json.dumps({'cpu': [l.split(':')[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')][0], 'cores': __import__('os').cpu_count()}))" > "$OUT/machine.json"
 "$PY" -c "import torch, json; print(json.dumps({'torch_cpu_capability': torch.backends.cpu.get_cpu_capability(), 'avx512_bf16': torch.cpu._is_avx512_bf16_supported()}))" >> "$OUT/machine.json"
 
@@ -47,8 +48,8 @@ for system in "$@"; do
     fi
     # shellcheck disable=SC2086
     trap 'kill -INT "$server" 2>/dev/null' EXIT
-    PYTHONPATH="${PDSERVE_PYTHONPATH:-}" "$PY" -m pdserve.cli serve --port 0 --http-port "$PORT" \
-        --served-model-name smollm2 $flags > "$OUT/$name.log" 2>&1 &
+    (cd "${PDSERVE_PYTHONPATH:-.}" && PYTHONPATH="${PDSERVE_PYTHONPATH:-}" exec "$PY" -m pdserve.cli serve \
+        --port 0 --http-port "$PORT" --served-model-name smollm2 $flags > "$OUT/$name.log" 2>&1) &
     server=$!
     for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
     measure "$name" "http://127.0.0.1:$PORT"
