@@ -1,6 +1,6 @@
-"""`--autoscale plan`: the autoscaler steers the pools to the sizes `pdserve plan` chose for the arrival
-rate it sees, grows past them only under pressure, and comes back; `pdserve serve` reads the plan file
-and refuses one that does not fit the system."""
+"""`--autoscale plan`: the autoscaler steers the pools to the sizes `pdserve plan` chose for the
+arrival rate it sees, grows past them only under pressure, and comes back; `pdserve serve` reads the
+plan file and refuses one that does not fit the system."""
 
 from __future__ import annotations
 
