@@ -1,12 +1,12 @@
 """The autoscaling policy: which pool is the bottleneck, from signals the router already has.
 
-Reactive (the default): prefill grows when requests wait too long for their first token (queue time or
-TTFT over target); decode grows when its KV cache runs full or requests wait for KV room. A pool shrinks
-after it has been quiet for `idle_s`.
+Reactive (the default): prefill grows when requests wait too long for their first token (queue time
+or TTFT over target); decode grows when its KV cache runs full or requests wait for KV room. A pool
+shrinks after it has been quiet for `idle_s`.
 With a plan (`pdserve serve --autoscale plan --autoscale-plan FILE`, FILE written by `pdserve plan
 --json`, one plan or a list for several rates): each pool is steered to the size planned for the
-arrival rate the router sees (the plan of the lowest planned rate at or above it; above them all, the
-highest). A pool still grows past its planned size when the reactive signals press (the plan was
+arrival rate the router sees (the plan of the lowest planned rate at or above it; above them all,
+the highest). A pool still grows past its planned size when the reactive signals press (the plan was
 wrong), and comes back to it once they have been quiet for `idle_s`.
 Either way each pool changes by one worker at a time and not again before `cooldown_s`.
 The policy is a pure function of its inputs and the time it is given, so tests drive it directly.
@@ -49,7 +49,8 @@ class PlanTarget:
         return self.sizes[0].mode
 
     def for_rate(self, rate_rps: Optional[float]) -> Optional[PlannedSize]:
-        """The size planned for `rate_rps`; None (rate unknown) unless the plan has one size only."""
+        """The size planned for `rate_rps`; None (rate unknown) unless the plan has one size
+        only."""
         if rate_rps is None:
             return self.sizes[0] if len(self.sizes) == 1 else None
         return next((s for s in self.sizes if s.rate_rps >= rate_rps - 1e-9), self.sizes[-1])
@@ -147,7 +148,8 @@ class AutoscalePolicy:
     _arrivals: deque = field(default_factory=deque)  # (time s, requests arrived)
 
     def arrival_rate_rps(self, now_s: float, signals: Signals) -> Optional[float]:
-        """Requests per second over the last RATE_WINDOW_S (None: not counted, or one sample yet)."""
+        """Requests per second over the last RATE_WINDOW_S (None: not counted, or one sample
+        yet)."""
         if signals.requests_arrived is None:
             return None
         self._arrivals.append((now_s, signals.requests_arrived))
@@ -173,7 +175,8 @@ class AutoscalePolicy:
                 c.min_prefill,
                 c.max_prefill,
                 prefill_slow,
-                f"queue p50 {signals.queue_p50_s or 0:.2f} s / TTFT p50 {signals.ttft_p50_s or 0:.2f} s over target",
+                f"queue p50 {signals.queue_p50_s or 0:.2f} s / "
+                f"TTFT p50 {signals.ttft_p50_s or 0:.2f} s over target",
             ),
             (
                 "decode",
