@@ -5,7 +5,7 @@ where an engine runs, and why, for the ready line.
 where torch emulates bf16 (a 542-token prefill there takes ~7x as long in bf16 as in fp32,
 docs/benchmarks.md). `$PDSERVE_AUTO_DTYPE` (float32 or bfloat16) overrides the CPU's choice, so the
 bf16 default is testable on any CPU; workers started while it is set in the router's environment get
-it too (pdserve/pools.py).
+it too (pdserve/workers.py).
 
 Torch is imported only inside the functions that answer with torch objects: the config
 (engine/config.py), the router and the CLI read these names without loading torch.

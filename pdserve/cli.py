@@ -370,7 +370,7 @@ def _serve_config(args: argparse.Namespace, **overrides):
     if (args.autoscale == "plan") != (args.autoscale_plan is not None):
         raise ValueError("--autoscale plan and --autoscale-plan FILE go together")
     if args.autoscale:
-        from router.autoscaler import AutoscaleConfig, PlanTarget
+        from router.pools import AutoscaleConfig, PlanTarget
 
         plan = PlanTarget.load(args.autoscale_plan) if args.autoscale == "plan" else None
         if plan is not None and plan.mode != args.mode:

@@ -83,7 +83,7 @@ class ServeConfig:
     # where the node's workers agree on cores; None: /dev/shm/pdserve-cores-<uid>
     core_dir: Optional[str] = None
     object_store_bytes: int = 512 << 20
-    # a router.autoscaler.AutoscaleConfig turns the autoscaler on
+    # a router.pools.AutoscaleConfig turns the autoscaler on
     autoscale: Optional[object] = None
     # the OpenAI-compatible HTTP server (on `host`); None: off, 0: any free port
     http_port: Optional[int] = None
@@ -336,10 +336,10 @@ class System:
     server: object
     port: int
     health: object
-    pools: object  # pdserve.pools.PoolManager
+    pools: object  # router.pools.PoolManager
     # router.validation.ValidationLimits: what every request is checked against
     limits: Optional[object] = None
-    autoscaler: Optional[object] = None  # pdserve.pools.AutoscaleLoop
+    autoscaler: Optional[object] = None  # router.pools.AutoscaleLoop
     http_runner: Optional[object] = None  # aiohttp AppRunner of the OpenAI-compatible server
     http_port: Optional[int] = None
     ready: bool = False
@@ -477,10 +477,10 @@ async def start_system(config: ServeConfig) -> System:
     init_ray(config)  # before anything imports ray: the loopback setting is read at import
 
     from engine.tokenizer import load_tokenizer
-    from pdserve.pools import AutoscaleLoop, PoolManager
+    from pdserve.workers import RayWorkerFactory
     from router.grpc_server import GenerationServicer, mark_serving, start_grpc_server
     from router.overload import AdmissionLimits
-    from router.pool import WorkerPool
+    from router.pools import AutoscaleLoop, PoolManager, WorkerPool
     from router.router import Router, RouterConfig
     from router.validation import ValidationLimits
 
@@ -504,7 +504,7 @@ async def start_system(config: ServeConfig) -> System:
         WorkerPool("prefill"),
         WorkerPool(decode_role),
     )
-    pools = PoolManager(config, router, epoch=int(time.time()))
+    pools = PoolManager(router, RayWorkerFactory(config, epoch=int(time.time())))
     await asyncio.gather(
         pools.add_workers(decode_role, config.num_decode),
         pools.add_workers("prefill", config.num_prefill if config.mode == "disaggregated" else 0),

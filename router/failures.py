@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from router.overload import OverloadedError
-from router.pool import NoWorkerError, WorkerHandle
+from router.pools.workers import NoWorkerError, WorkerHandle
 
 log = logging.getLogger("router.router")
 

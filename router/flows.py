@@ -28,7 +28,7 @@ from router.kv_index import PrefixIndex
 from router.metrics import RouterMetrics
 from router.output import Output, Progress, StreamItem
 from router.placement import Placement, Prompt
-from router.pool import NoWorkerError
+from router.pools.workers import NoWorkerError
 from router.registry import Registry, RequestRecord
 from router.reservation import DecodeReservation
 from router.worker_client import WorkerClient

@@ -18,7 +18,7 @@ from router.auth import AuthError, Credentials
 from router.failures import describe_failure
 from router.logs import request_context
 from router.output import StreamItem
-from router.pool import WorkerStartError
+from router.pools.workers import WorkerStartError
 from router.router import Router
 from router.validation import RequestValidationError, ValidationLimits, validate
 

@@ -38,7 +38,7 @@ from router.openai_api import (
 )
 from router.openai_logprobs import TokenTexts
 from router.output import FinalInfo, StreamItem
-from router.pool import WorkerStartError
+from router.pools.workers import WorkerStartError
 from router.router import Router
 from router.validation import (
     MAX_REQUEST_ID_CHARS,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from protocol.block_hash import prompt_block_hashes
-from router.pool import WorkerHandle
+from router.pools.workers import WorkerHandle
 
 POLICIES = ("prefix", "load")
 

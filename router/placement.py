@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
 from router.metrics import RouterMetrics
 from router.pd_policy import Decision, PDPolicyConfig, decide
-from router.pool import NoWorkerError, WorkerHandle, WorkerPool
+from router.pools.workers import NoWorkerError, WorkerHandle, WorkerPool
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Optional
 
 from router.counting import Count
 from router.failures import DuplicateRequestError, RequestAborted
-from router.pool import WorkerHandle
+from router.pools.workers import WorkerHandle
 from router.token_stream import Inbox, TokenStreams
 
 

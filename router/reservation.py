@@ -15,7 +15,7 @@ from router.counting import Count
 from router.failures import AdmissionTimeoutError, RequestAborted, is_actor_death
 from router.overload import OverloadedError
 from router.placement import Placement, Prompt
-from router.pool import NoWorkerError, WorkerHandle
+from router.pools.workers import NoWorkerError, WorkerHandle
 from router.registry import RequestRecord
 from router.worker_client import WorkerClient
 

@@ -41,7 +41,7 @@ from router.output import FinalInfo, Output, Progress, StreamItem
 from router.overload import AdmissionLimits, OverloadedError
 from router.pd_policy import PDPolicyConfig
 from router.placement import Placement
-from router.pool import WorkerHandle, WorkerPool
+from router.pools.workers import WorkerHandle, WorkerPool
 from router.registry import Registry, RequestRecord, Route
 from router.reservation import DecodeReservation, ReservationConfig
 from router.slo import FAST_SLO, SLO

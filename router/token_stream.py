@@ -31,7 +31,7 @@ from protocol.token_stream import (
 )
 from router.failures import WorkerError, WorkerLost
 from router.kv_index import PrefixIndex
-from router.pool import WorkerHandle, WorkerState
+from router.pools.workers import WorkerHandle, WorkerState
 
 log = logging.getLogger("router.router")
 

@@ -21,7 +21,7 @@ from protocol.requests import (
     ReserveRequest,
 )
 from router.failures import WorkerLost, is_actor_death
-from router.pool import WorkerHandle
+from router.pools.workers import WorkerHandle
 from router.registry import RequestRecord
 
 log = logging.getLogger("router.router")

@@ -18,7 +18,7 @@ TTFT). Writes serve_check_<device>_<sections>.json and .md to --out-dir (benchma
 prints the figures against the targets: TTFT p50 < 500 ms at 1k-token prompts under load, TPOT p50
 < 50 ms, >= 1000 output tok/s, KV handoff <= 5 % of TTFT.
 
-One GPU, two workers: pdserve.pools asks Ray for one GPU per worker on cuda, so this script starts
+One GPU, two workers: pdserve.workers asks Ray for one GPU per worker on cuda, so this script starts
 Ray itself with 2 logical GPUs on the one card and RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1
 (both workers see physical GPU 0), and gives each worker a fixed KV size (the plan's): two engines
 must not each size their cache from the free memory. A dummy model has no tokenizer, which

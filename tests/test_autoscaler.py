@@ -3,7 +3,7 @@ idle."""
 
 import pytest
 
-from router.autoscaler import AutoscaleConfig, AutoscalePolicy, Signals
+from router.pools import AutoscaleConfig, AutoscalePolicy, Signals
 
 CONFIG = AutoscaleConfig(
     min_prefill=1, max_prefill=3, min_decode=1, max_decode=3, cooldown_s=10, idle_s=30

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from router.autoscaler import AutoscaleConfig, AutoscalePolicy, PlanTarget, Signals
+from router.pools import AutoscaleConfig, AutoscalePolicy, PlanTarget, Signals
 
 
 def plan_json(rate, prefill, decode, mode="disaggregated", cpus=0.5):

@@ -5,10 +5,10 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from pdserve.pools import PoolManager
 from pdserve.system import ServeConfig
+from pdserve.workers import RayWorkerFactory
 from protocol.messages import WorkerInfo
-from router.pool import WorkerHandle, WorkerPool
+from router.pools import PoolManager, WorkerHandle, WorkerPool
 from router.router import Router, RouterConfig
 
 
@@ -33,7 +33,7 @@ def test_the_healer_asks_only_workers_not_heard_from_within_its_interval():
         WorkerPool("prefill", [quiet_prefill]),
         WorkerPool("decode", [busy, idle]),
     )
-    manager = PoolManager(ServeConfig(), router, epoch=1)
+    manager = PoolManager(router, RayWorkerFactory(ServeConfig(), epoch=1))
 
     async def run():
         healer = asyncio.get_running_loop().create_task(manager.heal(interval_s=0.05))

@@ -19,7 +19,7 @@ from protocol.block_hash import prompt_block_hashes
 from protocol.messages import WorkerInfo
 from router.kv_index import PrefixIndex, RoutingConfig, rank
 from router.pd_policy import Decision, PDPolicyConfig, decide
-from router.pool import WorkerHandle
+from router.pools import WorkerHandle
 from tests.kv_ends import FP32
 
 # -- the allocator's hash events ------------------------------------------------------------------

@@ -294,7 +294,7 @@ ROUTER_PARTS = (
 ROUTER_USERS = (
     "router/grpc_server.py",
     "router/http_server.py",
-    "pdserve/pools.py",
+    "router/pools/manager.py",
     "pdserve/system.py",
 )
 
@@ -332,7 +332,7 @@ def _modules_loaded_by(statement: str) -> set[str]:
 
 
 def test_router_and_tokenizer_do_not_import_torch():
-    router_modules = sorted(_module_name(path) for path in (ROOT / "router").glob("*.py"))
+    router_modules = sorted(_module_name(path) for path in (ROOT / "router").rglob("*.py"))
     loaded = _modules_loaded_by(
         f"import {', '.join(router_modules)}, engine.tokenizer, engine.detokenizer, "
         "pdserve.system; "

@@ -23,7 +23,7 @@ from protocol.token_stream import (
 )
 from router.chunks import read_chunks
 from router.failures import WorkerError, WorkerLost
-from router.pool import WorkerHandle
+from router.pools import WorkerHandle
 from router.registry import Registry, Route
 from router.router import RouterConfig
 from router.token_stream import TokenStreams

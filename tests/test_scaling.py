@@ -147,7 +147,7 @@ def test_status_json_lists_every_worker_with_role_node_and_state(system):
 
 
 def test_autoscaler_grows_the_bottleneck_pool_under_load_and_shrinks_it_after(system, harness):
-    from router.autoscaler import AutoscaleConfig
+    from router.pools import AutoscaleConfig
 
     system.stop()  # two systems would crowd two cores; this test brings its own
     # Any real prefill misses a 10 ms TTFT target, and KV never counts as full: prefill is the
@@ -190,7 +190,7 @@ def test_autoscaler_grows_the_bottleneck_pool_under_load_and_shrinks_it_after(sy
 
 
 def test_a_planned_autoscaler_steers_the_pools_by_the_arrival_rate_the_router_counts(harness):
-    from router.autoscaler import AutoscaleConfig, PlannedSize, PlanTarget
+    from router.pools import AutoscaleConfig, PlannedSize, PlanTarget
 
     # Any arrivals at all are above the plan's second rate, so it asks for a second prefill worker;
     # the reactive signals never press (targets no request misses), so only the counted rate can.

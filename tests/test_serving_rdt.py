@@ -107,7 +107,7 @@ def _turn(system, prompt_ids, max_tokens: int = 10):
 
 
 def test_rdt_refuses_autoscaling_at_configuration():
-    from router.autoscaler import AutoscaleConfig
+    from router.pools import AutoscaleConfig
 
     with pytest.raises(ValueError, match="rdt transport's workers are fixed"):
         ServeConfig(transport="rdt", autoscale=AutoscaleConfig())

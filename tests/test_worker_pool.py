@@ -1,8 +1,8 @@
-"""A worker's state as the router sees it (router/pool.py): its transitions, and who a pool routes
-to."""
+"""A worker's state as the router sees it (router/pools/workers.py): its transitions, and who a
+pool routes to."""
 
 from protocol.messages import WorkerInfo
-from router.pool import WorkerHandle, WorkerPool, WorkerState
+from router.pools import WorkerHandle, WorkerPool, WorkerState
 
 
 def _worker(worker_id: str) -> WorkerHandle:

@@ -74,7 +74,7 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "shape": None if self.shape is None else str(self.shape),
-            # what `pdserve serve --autoscale plan` reads (router/autoscaler.py's PlanTarget)
+            # what `pdserve serve --autoscale plan` reads (router/pools/autoscaler.py's PlanTarget)
             **(
                 {}
                 if self.shape is None

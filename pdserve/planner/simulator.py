@@ -45,7 +45,7 @@ from pdserve.planner.shape import SystemShape
 from pdserve.planner.workload import Request
 from router.kv_index import PrefixIndex, rank
 from router.pd_policy import decide
-from router.pool import WorkerHandle
+from router.pools import WorkerHandle
 from router.slo import SLO
 from runtime.cores import CorePolicy, StreamProgress, decode_slack_s
 

@@ -1,48 +1,52 @@
-"""Creating, growing and shrinking the worker pools while serving.
+"""Growing, shrinking and healing the worker pools while serving.
 
-New workers join routing only once they answered `info` (their engine is loaded). Removed workers
-are drained: the router stops sending them requests, the ones they hold run to completion, then the
-actor is stopped. On a cluster whose nodes carry the custom resources `pdserve_prefill` /
-`pdserve_decode` (cluster.yaml), each pool's actors request theirs, so they land only on their own
-node type.
+New workers join routing only once they answered `info` (their engine is loaded) and the router is
+subscribed to their tokens. Removed workers are drained: the router stops sending them requests, the
+ones they hold run to completion, then the actor is stopped. Dead workers are replaced.
+
+The manager decides which workers a pool holds and when each changes state; a `WorkerFactory` (Ray
+actors in serving: pdserve/workers.py) starts and stops the actors behind them, so this module
+imports no worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from engine.dtypes import AUTO_DTYPE_ENV
-from router.pool import WorkerStartError
+from protocol.messages import WorkerInfo
+from router.pools.autoscaler import AutoscaleConfig, AutoscalePolicy, Signals
+from router.pools.workers import WorkerHandle, WorkerPool, WorkerStartError
+
+if TYPE_CHECKING:
+    from router.router import Router
 
 log = logging.getLogger(__name__)
 
-NODE_RESOURCE = {
-    "prefill": "pdserve_prefill",
-    "decode": "pdserve_decode",
-    "colocated": "pdserve_decode",
-}
-_RESOURCE_PER_WORKER = 0.01  # a node type's marker, not a capacity: CPUs and GPUs bound the count
 _DRAIN_POLL_S = 0.1
 
 
-def _free_summary(free: dict[str, float]) -> str:
-    """What is free, CPUs always named: Ray leaves a resource out of `available_resources` once none
-    is free."""
-    names = sorted({"CPU", *(name for name in free if name.startswith(("GPU", "pdserve")))})
-    return ", ".join(f"{free.get(name, 0.0):g} {name}" for name in names)
+class WorkerFactory(Protocol):
+    """Starts and stops the actors behind a pool's workers."""
+
+    async def start(self, role: str, count: int) -> list[tuple[Any, WorkerInfo]]:
+        """`count` new workers of `role`, each (actor, its `info`), once all are ready. Raises
+        WorkerStartError (having stopped any it started) when the cluster has no room for them or
+        they are not ready in time."""
+
+    def kill(self, actor: Any) -> None:
+        """Stops the actor at once; its requests and KV blocks go with it."""
+
+    async def form_kv_group(self, senders: list, receivers: list, receiver_role: str) -> str:
+        """--transport rdt: forms the collective group of these actors; returns its name."""
 
 
 class PoolManager:
-    def __init__(self, config, router, epoch: int):
-        self.config = config
-        self.router = router
-        self.epoch = epoch
-        self.engine_config = config.engine_config()
-        self._next_index = {"prefill": 0, "decode": 0, "colocated": 0}
+    def __init__(self, router: Router, workers: WorkerFactory):
+        self.router = router  # its pools and its public methods only
+        self.workers = workers
         self._draining: set[asyncio.Task] = set()
         self.stopped: list = []  # WorkerLoad of each drained worker, taken just before it stopped
         self.replaced: list[str] = []  # ids of dead workers replaced, oldest first
@@ -55,37 +59,17 @@ class PoolManager:
         self._healer = asyncio.get_running_loop().create_task(self.heal())
 
     @property
-    def decode_role(self) -> str:
-        return "decode" if self.config.mode == "disaggregated" else "colocated"
+    def mode(self) -> str:
+        return self.router.config.mode
 
-    def _pool(self, role: str):
+    @property
+    def decode_role(self) -> str:
+        return "decode" if self.mode == "disaggregated" else "colocated"
+
+    def _pool(self, role: str) -> WorkerPool:
         return self.router.prefill_pool if role == "prefill" else self.router.decode_pool
 
-    def _actor_options(self, role: str) -> dict:
-        import ray
-
-        options = {"num_cpus": self.config.worker_cpus}
-        forced_dtype = os.environ.get(AUTO_DTYPE_ENV)
-        if forced_dtype:  # what "auto" resolves to, on every node the workers land on
-            options["runtime_env"] = {"env_vars": {AUTO_DTYPE_ENV: forced_dtype}}
-        # One engine per GPU; Ray sets the actor's CUDA_VISIBLE_DEVICES. Under "auto" a worker
-        # without a GPU of its own sees none (Ray hides them) and resolves to cpu.
-        if self.config.device == "cuda" or (
-            self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
-        ):
-            options["num_gpus"] = 1
-        resource = NODE_RESOURCE[role]
-        if resource in ray.cluster_resources():
-            options["resources"] = {resource: _RESOURCE_PER_WORKER}
-        return options
-
-    async def add_workers(self, role: str, count: int) -> list:
-        import ray
-
-        from decode_worker.worker import DecodeWorker
-        from prefill_worker.worker import PrefillWorker
-        from router.pool import WorkerHandle
-
+    async def add_workers(self, role: str, count: int) -> list[WorkerHandle]:
         if count == 0:
             return []
         if self.kv_group is not None:
@@ -94,56 +78,9 @@ class PoolManager:
                 "(Ray 2.60 fixes a gloo group's members); scaling up and replacing dead "
                 "workers need --transport ray or grpc"
             )
-        options = self._actor_options(role)
-        # a local node never grows: a pending actor would wait forever
-        if self.config.address == "local":
-            self._check_room(role, count, options)
-        actors = []
-        for _ in range(count):
-            worker_id = f"{role}-{self._next_index[role]}"
-            self._next_index[role] += 1
-            if role == "prefill":
-                actor = (
-                    self._actor_class(PrefillWorker)
-                    .options(**options)
-                    .remote(
-                        worker_id,
-                        self.engine_config,
-                        self.config.transport,
-                        self.epoch,
-                        self.config.kv_timeout_s,
-                        self.config.core_policy,
-                    )
-                )
-            else:
-                actor = (
-                    self._actor_class(DecodeWorker)
-                    .options(**options)
-                    .remote(
-                        worker_id,
-                        self.engine_config,
-                        self.config.transport,
-                        self.config.worker_bind_host(),
-                        role,
-                        self.config.core_policy,
-                    )
-                )
-            actors.append(actor)
-        try:  # ready = engine loaded; on a cluster, the wait includes any nodes its autoscaler adds
-            infos = await asyncio.wait_for(
-                asyncio.gather(*(actor.info.remote() for actor in actors)),
-                self.config.worker_start_timeout_s,
-            )
-        except asyncio.TimeoutError:
-            for actor in actors:
-                ray.kill(actor)
-            raise WorkerStartError(
-                f"{role}: {count} new worker(s) were not ready within "
-                f"{self.config.worker_start_timeout_s:.0f} s (each needs {options}; free on the "
-                f"cluster now: {_free_summary(ray.available_resources())})"
-            ) from None
-        handles = [WorkerHandle(actor, info) for actor, info in zip(actors, infos)]
-        self._check_agreement(role, actors, infos)
+        started = await self.workers.start(role, count)
+        handles = [WorkerHandle(actor, info) for actor, info in started]
+        self._check_agreement(role, handles)
         if role != "prefill":  # subscribed to their tokens before any request can be routed to them
             watched = await asyncio.gather(
                 *(self.router.watch(handle) for handle in handles), return_exceptions=True
@@ -153,7 +90,7 @@ class PoolManager:
                 for handle in handles:
                     handle.stop()
                     self.router.unwatch(handle, "not started")
-                    ray.kill(handle.actor)
+                    self.workers.kill(handle.actor)
                 raise WorkerStartError(
                     f"{role}: could not subscribe to the new workers' tokens: {failures[0]}"
                 ) from failures[0]
@@ -163,77 +100,35 @@ class PoolManager:
         )
         return handles
 
-    def _actor_class(self, worker_class):
-        import ray
-
-        if self.config.transport != "rdt":
-            return ray.remote(worker_class)
-        from kvtransfer.rdt_transport import actor_class_options
-
-        return ray.remote(**actor_class_options())(worker_class)
-
     async def form_kv_group(self) -> None:
         """--transport rdt, once every worker of the start is ready: the collective group Ray Direct
-        Transport moves KV within (kvtransfer/rdt_transport.py); nccl where workers hold a GPU, else
-        gloo."""
-        from kvtransfer.rdt_transport import form_group
-
-        backend = "nccl" if "num_gpus" in self._actor_options(self.decode_role) else "gloo"
+        Transport moves KV within. Its members are fixed: no worker joins it later."""
         senders = [w.actor for w in self.router.prefill_pool.workers]
         receivers = [w.actor for w in self.router.decode_pool.workers]
-        self.kv_group = await asyncio.to_thread(form_group, senders, receivers, backend)
-        log.info(
-            "rdt transport: %s group %s over %d prefill + %d decode workers",
-            backend,
-            self.kv_group,
-            len(senders),
-            len(receivers),
-        )
+        self.kv_group = await self.workers.form_kv_group(senders, receivers, self.decode_role)
 
-    def _check_agreement(self, role: str, actors: list, infos: list) -> None:
+    def _check_agreement(self, role: str, handles: list[WorkerHandle]) -> None:
         """Every worker of a system serves one dtype ("auto" resolves per node): a worker that
         differs would fail each KV handoff's layout check, so it never joins."""
-        import ray
-
         known = [
             w.info
             for pool in (self.router.prefill_pool, self.router.decode_pool)
             for w in pool.workers
         ]
-        dtypes = sorted({info.dtype for info in known + list(infos)})
+        dtypes = sorted({info.dtype for info in known + [h.info for h in handles]})
         if len(dtypes) > 1:
-            for actor in actors:
-                ray.kill(actor)
+            for handle in handles:
+                self.workers.kill(handle.actor)
             raise WorkerStartError(
                 f"{role}: workers would serve different dtypes ({', '.join(dtypes)}): their nodes' "
                 "CPUs differ under --dtype auto; pass --dtype float32 or bfloat16"
-            )
-
-    def _check_room(self, role: str, count: int, options: dict) -> None:
-        import ray
-
-        free = ray.available_resources()
-        needs = {
-            "CPU": options["num_cpus"] * count,
-            **{k: v * count for k, v in options.get("resources", {}).items()},
-        }
-        if "num_gpus" in options:
-            needs["GPU"] = options["num_gpus"] * count
-        short = {name: need for name, need in needs.items() if free.get(name, 0.0) + 1e-9 < need}
-        if short:
-            raise WorkerStartError(
-                f"{role}: {count} more worker(s) need "
-                f"{', '.join(f'{v:g} {k}' for k, v in needs.items())}; this local Ray node has "
-                f"{_free_summary(free)} free of {ray.cluster_resources().get('CPU', 0.0):g} CPU "
-                f"(each worker holds {options['num_cpus']:g}). Serve with a smaller "
-                "--cpus-per-worker, or on a cluster (--address)"
             )
 
     async def scale(
         self, prefill: Optional[int] = None, decode: Optional[int] = None
     ) -> tuple[int, int]:
         """Returns once the new sizes are in effect: added workers ready, removed ones draining."""
-        if prefill is not None and self.config.mode != "disaggregated":
+        if prefill is not None and self.mode != "disaggregated":
             raise ValueError("prefill: a colocated system has no prefill pool")
         for role, target in (("prefill", prefill), (self.decode_role, decode)):
             if target is None:
@@ -250,9 +145,7 @@ class PoolManager:
                 task.add_done_callback(self._draining.discard)
         return len(self.router.prefill_pool.ready()), len(self.router.decode_pool.ready())
 
-    async def _drain_and_stop(self, role: str, worker) -> None:
-        import ray
-
+    async def _drain_and_stop(self, role: str, worker: WorkerHandle) -> None:
         while worker.in_flight > 0 or worker.reserving > 0:
             await asyncio.sleep(_DRAIN_POLL_S)
         try:
@@ -268,7 +161,7 @@ class PoolManager:
         except Exception as error:  # it died while draining: nothing left to free
             log.warning("%s died while draining: %s", worker.worker_id, error)
         worker.stop()
-        ray.kill(worker.actor)
+        self.workers.kill(worker.actor)
         if worker in self._pool(role).workers:  # unless the healer already removed it as dead
             self._pool(role).workers.remove(worker)
         log.info("%s pool: %s drained and stopped", role, worker.worker_id)
@@ -279,8 +172,6 @@ class PoolManager:
         within the interval (a call answered, tokens streamed) is not asked: each Ray call costs the
         router about 1 ms of CPU here, and a busy decode worker's token stream breaks at once if it
         dies."""
-        import ray
-
         from router.failures import is_actor_death
 
         while True:
@@ -300,7 +191,7 @@ class PoolManager:
                     pool.workers.remove(worker)
                     self.router.unwatch(worker, "found dead")  # its requests fail over now
                     try:  # dead, or alive but cut off from the router: its blocks go with it
-                        ray.kill(worker.actor)
+                        self.workers.kill(worker.actor)
                     except Exception as error:
                         log.warning("could not kill %s: %s", worker.worker_id, error)
                     self.replaced.append(worker.worker_id)
@@ -321,8 +212,6 @@ class PoolManager:
                         log.exception("%s pool: could not start replacements", role)
 
     def stop_all(self) -> None:
-        import ray
-
         if self._healer is not None:
             self._healer.cancel()
         for task in list(self._draining):
@@ -331,15 +220,13 @@ class PoolManager:
             for worker in pool.workers:
                 worker.stop()
                 self.router.unwatch(worker, "the system is stopping")
-                ray.kill(worker.actor)
+                self.workers.kill(worker.actor)
 
 
 class AutoscaleLoop:
     """Every `interval_s`: gather the router's signals, ask the policy, apply its decisions."""
 
-    def __init__(self, pools: PoolManager, config):
-        from router.autoscaler import AutoscalePolicy
-
+    def __init__(self, pools: PoolManager, config: AutoscaleConfig):
         self.pools = pools
         self.router = pools.router
         self.config = config
@@ -355,14 +242,12 @@ class AutoscaleLoop:
             self._task.cancel()
 
     async def _run(self) -> None:
-        import time
-
         while True:
             await asyncio.sleep(self.config.interval_s)
             try:
                 signals = await self._signals()
                 for decision in self.policy.decide(time.monotonic(), signals):
-                    if decision.pool == "prefill" and self.pools.config.mode != "disaggregated":
+                    if decision.pool == "prefill" and self.pools.mode != "disaggregated":
                         continue
                     line = (
                         f"{time.strftime('%H:%M:%S')} {decision.pool} -> {decision.size}: "
@@ -377,9 +262,7 @@ class AutoscaleLoop:
             except Exception:  # a failed round must not end autoscaling; the next one retries
                 log.exception("autoscaler round failed")
 
-    async def _signals(self):
-        from router.autoscaler import Signals
-
+    async def _signals(self) -> Signals:
         stats = self.router.stats()
         decode = self.router.decode_pool.ready()
         loads = await asyncio.gather(
