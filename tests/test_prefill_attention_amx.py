@@ -15,20 +15,25 @@ from tests.attention_shapes import attention_layer
 AMX = torch.cpu._is_amx_tile_supported()
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _visible(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[new tokens, keys]: the keys each new token attends to (the cached context, itself and the
+    new tokens before it)."""
     n, num_cached = q.shape[0], k.shape[0] - q.shape[0]
-    visible = torch.arange(num_cached + n).unsqueeze(0) <= torch.arange(
+    return torch.arange(num_cached + n).unsqueeze(0) <= torch.arange(
         num_cached, num_cached + n
     ).unsqueeze(1)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (
         torch.nn.functional.scaled_dot_product_attention(
             *(t.double().transpose(0, 1) for t in (q, k, v)),
-            attn_mask=visible,
+            attn_mask=_visible(q, k),
             enable_gqa=True,
             scale=q.shape[-1] ** -0.5,
         )
         .transpose(0, 1)
-        .reshape(n, -1)
+        .reshape(q.shape[0], -1)
     )
 
 
@@ -85,14 +90,11 @@ def test_scores_that_keep_growing_along_the_keys(num_cached):
 def _bf16_scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Eager causal attention with bf16 matmuls and an fp32 softmax, as a bf16 model without a
     fused kernel computes it."""
-    n, num_cached, group = q.shape[0], k.shape[0] - q.shape[0], q.shape[1] // k.shape[1]
+    group = q.shape[1] // k.shape[1]
     keys, values = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
     scores = (q.transpose(0, 1) @ keys.transpose(1, 2)).float() * q.shape[-1] ** -0.5
-    future = torch.arange(num_cached + n).unsqueeze(0) > torch.arange(
-        num_cached, num_cached + n
-    ).unsqueeze(1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(-1).bfloat16()
-    return (probs @ values).transpose(0, 1).reshape(n, -1).double()
+    probs = scores.masked_fill(~_visible(q, k), float("-inf")).softmax(-1).bfloat16()
+    return (probs @ values).transpose(0, 1).reshape(q.shape[0], -1).double()
 
 
 @pytest.mark.skipif(
