@@ -3,8 +3,9 @@
 Fills a batch of sequences with random prompts of a fixed context length, then times engine steps
 (decode only) alternately with and without the feature, and prints the median step of each, so both
 sides share the same machine state. `--compare kernel` (the default): the paged decode-attention
-kernel against the torch path (gather + SDPA); `--compare packing`: fp32 decode batches on the
-oneDNN-packed weights (engine/cpu_packing.py, AVX2 machines) against the transposed ones alone;
+kernel against the torch path (gather + SDPA); `--compare linear`: fp32 decode batches' linears
+through engine/csrc/decode_linear.c (engine/cpu_packing.py, AVX2 machines) against MKL on the same
+transposed weights;
 `--compare mapped` (fp32): the transposed weights memory-mapped from the disk cache, as workers
 serve them, against copies of them in the process's own memory; `--compare logprobs`: every sequence
 asking for logprobs with `--top-logprobs` alternatives (20, the most a request may ask) against none
@@ -45,7 +46,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per path per round")
     parser.add_argument(
         "--compare",
-        choices=["kernel", "packing", "mapped", "logprobs", "guided"],
+        choices=["kernel", "linear", "mapped", "logprobs", "guided"],
         default="kernel",
     )
     parser.add_argument(
@@ -81,10 +82,10 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the kernel is not available here (no C compiler?): nothing to compare")
     layers = [m for m in engine.loaded.model.modules() if isinstance(m, TransposedLinear)]
-    packed = [m.packed_weight for m in layers]
-    if args.compare == "packing" and not any(p is not None for p in packed):
+    linear_kernels = [m.decode for m in layers]
+    if args.compare == "linear" and not any(k is not None for k in linear_kernels):
         raise SystemExit(
-            "no packed decode weights here (fp32 on an AVX2 CPU only): nothing to compare"
+            "no decode linear kernel here (fp32 on an AVX2 CPU only): nothing to compare"
         )
     mapped = [m.weight_t for m in layers]
     copies = [w.clone() for w in mapped] if args.compare == "mapped" else []
@@ -121,12 +122,12 @@ def main() -> None:
             for layer, weight in zip(layers, mapped if on else copies):
                 layer.weight_t = weight
             return
-        for layer, weight in zip(layers, packed):
-            layer.packed_weight = weight if on else None
+        for layer, linear in zip(layers, linear_kernels):
+            layer.decode = linear if on else None
 
     before, after = {
         "kernel": ("torch (gather + SDPA)", "paged kernel"),
-        "packing": ("transposed", "packed"),
+        "linear": ("MKL", "decode linear kernel"),
         "mapped": ("own memory", "mapped"),
         "logprobs": ("no logprobs", "logprobs"),
         "guided": ("free", "guided"),

@@ -9,24 +9,34 @@
   layouts run the same kernel, bit-identical. Below 16 rows the sums' order differs from
   `F.linear`'s in the last bits, which greedy decoding does not see (the HF comparisons in tests/
   hold).
-- fp32 on an AVX2-only core (no AVX-512): there MKL gains nothing from the transposed layout at 2-48
-  rows, while oneDNN's own blocked fp32 layout is 1.2-1.8x as fast (a model's linears at 8 rows: 70
-  against 125 ms; at 32: 146 against 181). Decode batches of 2 to `DECODE_PACKED_MAX_ROWS` - 1 rows
-  run on a second copy of the weight in that layout; one row (MKL's gemv is the faster there) and
-  prefill chunks of 64 rows or more keep the transposed weight, bit-identical to `F.linear`. The
-  cost is the second copy (+540 MB for SmolLM2-135M in fp32).
+- fp32 on an AVX2-only core (no AVX-512): MKL's and oneDNN's kernels for 2-16 rows ran at a third to
+  two thirds of the core's memory speed there. Decode batches of 1 to `DECODE_KERNEL_MAX_ROWS` - 1
+  rows run engine/csrc/decode_linear.c on a second copy of each weight laid out in panels of 16
+  outputs (`decode_panels`): a model's linears at 4 rows take 36 against 51 ms (oneDNN) and 82 ms
+  (MKL) on one thread, at 1 row they read at memory speed as MKL's gemv does (docs/benchmarks.md).
+  Each output is one chain of fused multiply-adds in k order whatever the batch, so a row's result
+  does not depend on the rows beside it. Prefill chunks of 64 rows or more keep MKL on the
+  transposed weight, bit-identical to `F.linear`. The panels are plain tensors: the disk cache keeps
+  them with the transposed weights, and workers map both. Built and loaded like the paged
+  decode-attention kernel (engine/paged_attention.py; `PDSERVE_DISABLE_KERNELS=1` turns it off);
+  where it is unavailable MKL serves every batch and no panels are made.
 
 `PDSERVE_DISABLE_PACKING=1` keeps plain `nn.Linear` for both.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+from functools import lru_cache
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
+
+from engine.paged_attention import DISABLE_ENV as KERNELS_DISABLE_ENV, KernelBuildError, build
 
 DISABLE_ENV = "PDSERVE_DISABLE_PACKING"
 log = logging.getLogger(__name__)
@@ -51,19 +61,81 @@ def transposing_supported(dtype: torch.dtype, device: torch.device | str) -> boo
     )
 
 
-# from 64 rows on MKL on the transposed weight is as fast (measured to 256)
-DECODE_PACKED_MAX_ROWS = 64
+# from 64 rows on (prefill chunks) MKL on the transposed weight serves
+DECODE_KERNEL_MAX_ROWS = 64
+DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear.c"
+_TILE_OUTPUTS = 16  # the kernel's tile width: a layer's outputs must be a multiple of it
 
 
-def decode_packing_supported() -> bool:
-    """Whether fp32 decode batches get oneDNN-packed weights beside the transposed ones: on x86
-    cores whose best ISA is AVX2 (measured there; on AVX-512 the transposed layout alone was the
-    faster)."""
+def decode_linear_supported() -> bool:
+    """Whether fp32 decode batches take engine/csrc/decode_linear.c: on x86 cores whose best ISA is
+    AVX2 (measured there; on AVX-512 MKL's kernel for the transposed layout was already fast)."""
     return (
         torch.backends.cpu.get_cpu_capability() == "AVX2"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and os.environ.get(KERNELS_DISABLE_ENV) != "1"
     )
+
+
+def decode_panels(weight_t: torch.Tensor) -> torch.Tensor:
+    """A transposed weight `[in, out]` laid out for the kernel: `[out / 16, in, 16]`, each panel of
+    16 outputs contiguous."""
+    inner, outer = weight_t.shape
+    return weight_t.view(inner, outer // _TILE_OUTPUTS, _TILE_OUTPUTS).transpose(0, 1).contiguous()
+
+
+def decode_panels_shape(weight_t: torch.Tensor) -> tuple[int, int, int]:
+    inner, outer = weight_t.shape
+    return (outer // _TILE_OUTPUTS, inner, _TILE_OUTPUTS)
+
+
+def panels_fit(weight_t: torch.Tensor) -> bool:
+    return weight_t.dtype == torch.float32 and weight_t.shape[1] % _TILE_OUTPUTS == 0
+
+
+class DecodeLinear:
+    """`__call__(x, panels, bias)`: `x @ weight_t + bias` for fp32 decode batches, through the C
+    kernel, from the weight's `decode_panels`."""
+
+    def __init__(self, library_path: Path):
+        fn = ctypes.CDLL(str(library_path)).decode_linear_f32
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(
+        self, x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        tiles, inner, width = panels.shape
+        out = torch.empty(x.shape[0], tiles * width, dtype=torch.float32)
+        code = self._fn(
+            x.data_ptr(),
+            panels.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            inner,
+            tiles * width,
+            x.stride(0),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if code:
+            raise RuntimeError(f"decode linear kernel failed (code {code})")
+        return out
+
+
+@lru_cache(maxsize=1)
+def load_decode_linear() -> Optional[DecodeLinear]:
+    """The kernel for this process, or None (MKL serves every batch) where it is not wanted or
+    cannot be built."""
+    if not decode_linear_supported():
+        return None
+    try:
+        return DecodeLinear(build(source=DECODE_LINEAR_SOURCE))
+    except (KernelBuildError, OSError) as exc:
+        log.warning("fp32 decode linear kernel unavailable, MKL serves decode batches: %s", exc)
+        return None
 
 
 class PackedLinear(nn.Module):
@@ -84,74 +156,54 @@ class PackedLinear(nn.Module):
 
 class TransposedLinear(nn.Module):
     def __init__(
-        self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack_for_decode: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        decode: Optional[DecodeLinear] = None,
     ):
-        """`pack_for_decode`: also hold the oneDNN-packed copy for decode batches
-        (`decode_packing_supported()`)."""
+        """`decode`: decode batches through the kernel, on panels made here (where the weight fits
+        them)."""
         super().__init__()
-        self._hold(
-            weight.detach().t().contiguous(),
-            bias,
-            _packed_for_decode(weight) if pack_for_decode else None,
-        )
+        weight_t = weight.detach().t().contiguous()
+        panels = decode_panels(weight_t) if decode is not None and panels_fit(weight_t) else None
+        self._hold(weight_t, bias, panels, decode)
 
     @classmethod
-    def over(cls, weight_t: torch.Tensor, bias: Optional[torch.Tensor]) -> "TransposedLinear":
-        """The layer over a weight already transposed, used in place: e.g. memory-mapped from the
-        disk cache, so that the workers of a node read one copy from the page cache instead of each
-        making its own. Without its packed decode copy: `pack_for_decode` gives it that."""
+    def over(
+        cls,
+        weight_t: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        panels: Optional[torch.Tensor] = None,
+        decode: Optional[DecodeLinear] = None,
+    ) -> "TransposedLinear":
+        """The layer over a weight already transposed (and its panels), used in place: e.g.
+        memory-mapped from the disk cache, so that the workers of a node read one copy from the
+        page cache instead of each making its own."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._hold(weight_t, bias, None)
+        layer._hold(weight_t, bias, panels, decode)
         return layer
 
     def _hold(
-        self, weight_t: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]
+        self,
+        weight_t: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        panels: Optional[torch.Tensor],
+        decode: Optional[DecodeLinear],
     ) -> None:
         self.out_features = weight_t.shape[1]
         self.register_buffer("weight_t", weight_t)  # in state_dict(), as `weight` was
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        self.register_buffer("packed_weight", packed, persistent=False)
+        # serving tensors (engine/weights.py caches them), not the model's state
+        self.register_buffer("weight_panels", panels, persistent=False)
+        self.decode = decode if panels is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and 1 < x.shape[0] < DECODE_PACKED_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
-            )
+        if self.decode is not None and x.shape[0] < DECODE_KERNEL_MAX_ROWS:
+            return self.decode(x, self.weight_panels, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
-
-
-def _packed_for_decode(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    # The batch-size hint 32: at 2-48 rows its layout was the fastest here (hint 1 was slower at >1
-    # row).
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
-    except RuntimeError as exc:
-        # a oneDNN build without this layout: the transposed weight serves alone
-        log.warning(
-            "fp32 decode weights stay unpacked: oneDNN could not pack a %s weight: %s",
-            tuple(weight.shape),
-            exc,
-        )
-        return None
-
-
-def pack_for_decode(layers: list[TransposedLinear]) -> None:
-    """Gives each layer its oneDNN-packed copy for decode batches, packed from its weight laid out
-    `[out, in]` again in one scratch buffer: oneDNN packing a transposed view copies it to fresh
-    memory first, and on a VM that pages memory in slowly that doubled the page faults of a worker's
-    start."""
-    if not layers:
-        return
-    scratch = torch.empty(
-        max(layer.weight_t.numel() for layer in layers), dtype=layers[0].weight_t.dtype
-    )
-    for layer in layers:
-        weight = scratch[: layer.weight_t.numel()].view(layer.out_features, -1)
-        weight.copy_(layer.weight_t.t())
-        layer.packed_weight = _packed_for_decode(weight)
 
 
 def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:

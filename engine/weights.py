@@ -18,9 +18,9 @@ from engine import disk_cache
 from engine.config import NAMED_SHAPES, ModelConfig
 from engine.cpu_packing import (
     TransposedLinear,
-    decode_packing_supported,
+    decode_panels_shape,
     linear_slots,
-    pack_for_decode,
+    load_decode_linear,
     pack_linears,
     packing_supported,
     transposing_supported,
@@ -88,11 +88,13 @@ def load_model(
 def _served_from_cache(
     source, config: ModelConfig, dtype: torch.dtype, device: str, build: Callable[[], LlamaModel]
 ) -> LlamaModel:
-    """The model over its serving tensors (fused, transposed) memory-mapped from the disk cache,
-    else built and cached. A worker then makes no copy of the weights but the oneDNN-packed one:
-    building the layout afresh wrote 1.4 GB of new memory, 5-15 s of page faults per worker on this
-    VM when two start at once."""
-    kind = f"serving-{str(dtype).removeprefix('torch.')}-transposed"
+    """The model over its serving tensors (fused, transposed, and the decode kernel's panels where
+    it serves) memory-mapped from the disk cache, else built and cached. A worker then makes no copy
+    of the weights: building the layout afresh wrote 1.4 GB of new memory, 5-15 s of page faults per
+    worker on this VM when two start at once."""
+    # an entry of either kind holds all a worker maps
+    panels = "-panels" if load_decode_linear() is not None else ""
+    kind = f"serving-{str(dtype).removeprefix('torch.')}-transposed{panels}"
     cached = disk_cache.tensors(source, kind)
     if cached is not None:
         try:
@@ -110,8 +112,8 @@ def _served_from_cache(
 
 
 def serving_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """Every tensor of a model laid out by `prepare_for_inference`, by name, but the oneDNN-packed
-    copies (opaque to anything but oneDNN; `model_over` packs them again)."""
+    """Every tensor of a model laid out by `prepare_for_inference`, by name, but bf16's
+    oneDNN-packed copies (opaque to anything but oneDNN)."""
     return {
         name: tensor
         for name, tensor in chain(model.named_parameters(), model.named_buffers())
@@ -140,12 +142,17 @@ def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: st
                 )
             # not in state_dict(): a non-persistent buffer
             bias = state.pop(f"{qualified}.bias", None)
-            setattr(parent, name, TransposedLinear.over(weight_t, bias))
+            panels = state.pop(f"{qualified}.weight_panels", None)
+            if panels is not None and panels.shape != decode_panels_shape(weight_t):
+                raise ValueError(
+                    f"{qualified}.weight_panels is {tuple(panels.shape)}, the model needs "
+                    f"{decode_panels_shape(weight_t)}"
+                )
+            decode = load_decode_linear() if panels is not None else None
+            setattr(parent, name, TransposedLinear.over(weight_t, bias, panels, decode))
         model.load_state_dict(state, strict=True, assign=True)
     except (KeyError, RuntimeError) as error:
         raise ValueError(f"{type(error).__name__}: {error}") from None
-    if decode_packing_supported():
-        pack_for_decode([m for m in model.modules() if isinstance(m, TransposedLinear)])
     model.use_decode_kernel(decode_kernel_for(device))
     return model.eval()
 
@@ -221,7 +228,7 @@ def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) ->
     if packing_supported(dtype, device):
         pack_linears(model)
     elif transposing_supported(dtype, device):
-        pack_for_decode = decode_packing_supported()  # the CPU's ISA, asked once for every layer
-        pack_linears(model, lambda weight, bias: TransposedLinear(weight, bias, pack_for_decode))
+        decode = load_decode_linear()  # asked once for every layer
+        pack_linears(model, lambda weight, bias: TransposedLinear(weight, bias, decode))
     model.use_decode_kernel(decode_kernel_for(device))
     return model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import disk_cache, gguf_loader
-from engine.cpu_packing import TransposedLinear, decode_packing_supported, transposing_supported
+from engine.cpu_packing import TransposedLinear, decode_linear_supported, transposing_supported
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_model, model_over, serving_tensors
 
@@ -64,16 +64,17 @@ def _assert_served_in_place(built, mapped, entry):
     ranges = _mapped_ranges(entry)
     layers = [m for m in mapped.model.modules() if isinstance(m, TransposedLinear)]
     assert len(layers) == 1 + 4 * built.config.num_layers  # the tied head and each layer's four
-    for tensor in [m.weight_t for m in layers] + [mapped.model.embed_tokens.weight]:
+    panels = [m.weight_panels for m in layers if m.weight_panels is not None]
+    for tensor in [m.weight_t for m in layers] + panels + [mapped.model.embed_tokens.weight]:
         assert any(start <= tensor.data_ptr() < end for start, end in ranges)
         assert tensor.data_ptr() % 64 == 0  # on a cache line, as the entry was written
-    # the decode copies oneDNN packs (opaque memory) are packed again where the CPU wants them
-    assert all((m.packed_weight is not None) == decode_packing_supported() for m in layers)
+    # decode batches through the C kernel where the CPU wants it, on the mapped panels themselves
+    assert all((m.decode is not None) == decode_linear_supported() for m in layers)
     generator = torch.Generator().manual_seed(0)
     for ours, theirs in zip(
         [m for m in built.model.modules() if isinstance(m, TransposedLinear)], layers
     ):
-        # a decode batch: packed where used
+        # a decode batch: the kernel where used
         x = torch.randn(5, ours.weight_t.shape[0], generator=generator)
         assert torch.equal(ours(x), theirs(x))
 
@@ -103,12 +104,12 @@ def test_a_model_over_serving_tensors_that_do_not_fit_is_a_value_error_naming_th
 
 
 def _weights_kind(dtype):
-    """fp32 on a CPU serves transposed linears, and those are cached as they serve; other layouts
-    are cached as dequantized."""
+    """fp32 on a CPU serves transposed linears (with the decode kernel's panels on AVX2), and those
+    are cached as they serve; other layouts are cached as dequantized."""
     name = str(dtype).removeprefix("torch.")
-    return (
-        f"serving-{name}-transposed" if transposing_supported(dtype, "cpu") else f"weights-{name}"
-    )
+    if not transposing_supported(dtype, "cpu"):
+        return f"weights-{name}"
+    return f"serving-{name}-transposed" + ("-panels" if decode_linear_supported() else "")
 
 
 def _mapped_ranges(path):

@@ -174,29 +174,46 @@ def test_fp32_cpu_models_use_transposed_linears_that_match_f_linear(monkeypatch)
     )
 
 
-def test_fp32_decode_batches_on_avx2_use_onednn_packed_weights_beside_the_transposed_ones():
+def test_fp32_decode_batches_on_avx2_run_the_decode_linear_kernel_on_panels_of_the_weight():
     from engine.cpu_packing import (
-        DECODE_PACKED_MAX_ROWS,
+        DECODE_KERNEL_MAX_ROWS,
+        DECODE_LINEAR_SOURCE,
+        DecodeLinear,
         TransposedLinear,
-        decode_packing_supported,
+        build,
+        decode_linear_supported,
+        load_decode_linear,
     )
 
-    # Chosen by the CPU's ISA (measured: faster on AVX2, not on AVX-512); the layer works on either.
-    assert decode_packing_supported() == (torch.backends.cpu.get_cpu_capability() == "AVX2")
-    weight, bias = torch.randn(96, 64), torch.randn(96)
-    layer = TransposedLinear(weight, bias, pack_for_decode=True)
-    assert layer.packed_weight is not None and "packed_weight" not in layer.state_dict()
-    # decode batches: oneDNN's sums, to fp32 rounding
-    for rows in (2, 5, 16, DECODE_PACKED_MAX_ROWS - 1):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(
-            layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5
-        )
-    # prefill chunks: the transposed weight, F.linear's bits
-    for rows in (DECODE_PACKED_MAX_ROWS, 300):
-        x = torch.randn(rows, 64)
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, bias))
-    assert TransposedLinear(weight, bias, pack_for_decode=False).packed_weight is None
+    # Chosen by the CPU's ISA (measured: faster on AVX2); the kernel itself runs on any AVX2 core,
+    # so it is tested here on every kind.
+    assert decode_linear_supported() == (torch.backends.cpu.get_cpu_capability() == "AVX2")
+    assert (load_decode_linear() is not None) == decode_linear_supported()
+    kernel = DecodeLinear(build(source=DECODE_LINEAR_SOURCE))
+    weight, bias = torch.randn(96, 200), torch.randn(96)
+    layer = TransposedLinear(weight, bias, kernel)
+    assert layer.decode is kernel and layer.weight_panels.shape == (96 // 16, 200, 16)
+    assert list(layer.state_dict()) == ["weight_t"]
+    reference = torch.nn.functional.linear
+    x = torch.randn(DECODE_KERNEL_MAX_ROWS, 200)
+    # decode batches, one row included: the kernel's sums, to fp32 rounding, each row the same bits
+    # whatever the rows beside it (batch-invariant)
+    alone = [layer(x[i : i + 1]) for i in range(DECODE_KERNEL_MAX_ROWS - 1)]
+    for rows in (1, 2, 5, 6, 7, 13, DECODE_KERNEL_MAX_ROWS - 1):
+        out = layer(x[:rows])
+        torch.testing.assert_close(out, reference(x[:rows], weight, bias), rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, torch.cat(alone[:rows]))
+    # rows that are a view with a row stride (a slice of a wider activation)
+    wide = torch.randn(3, 400)
+    torch.testing.assert_close(layer(wide[:, :200]), reference(wide[:, :200], weight, bias))
+    # prefill chunks: MKL on the transposed weight, F.linear's bits
+    for rows in (DECODE_KERNEL_MAX_ROWS, 300):
+        x = torch.randn(rows, 200)
+        assert torch.equal(layer(x), reference(x, weight, bias))
+    # outputs not a multiple of the kernel's tile, or no kernel: no panels, MKL serves every batch
+    odd = TransposedLinear(torch.randn(40, 64), None, kernel)
+    for odd in (odd, TransposedLinear(weight, bias)):
+        assert odd.decode is None and odd.weight_panels is None
 
 
 def test_loading_the_default_model_does_not_import_torch_dynamo():
