@@ -60,3 +60,20 @@ def harness(shared_harness):
     stopped."""
     yield shared_harness
     shared_harness.stop_systems()
+
+
+# Seconds per test file (setup, call and teardown together), for the log's summary: the suite has a
+# 15-minute budget, and module-scoped systems put most of a file's time in its first test's setup.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    slowest = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:15]
+    terminalreporter.section("slowest 15 files")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
