@@ -62,9 +62,13 @@ class ServingCosts:
     # the calibration runs' measured and engine-only figures, for the record
     fitted_from: dict = field(default_factory=dict)
     # a step on borrowed cores (runtime/cores.py) beyond the engine's step at that thread count:
-    # taking the cores and changing torch's thread count for one step, and back
+    # taking the cores and changing torch's thread count for one step, and back; and a prefill's
+    # threads waiting on each other where the node's other processes (the router, Ray, the lender)
+    # take a core for a moment, which grows with the step: `borrow_prefill_share` of its engine time
+    # (fitted since 2026-12-03; earlier profiles hold the whole cost in `borrow_prefill_s`)
     borrow_prefill_s: float = 0.0
     borrow_decode_s: float = 0.0
+    borrow_prefill_share: float = 0.0
 
     def decode_step_s(self, batch_size: int) -> float:
         return self.step_s + batch_size * self.token_s

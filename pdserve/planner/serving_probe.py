@@ -11,8 +11,10 @@ on the cores the workers compute on; and a step on cores borrowed from another w
 - with lending on: C, one request at a time, so each step runs on the other worker's idle core too.
 The simulator runs the same loads on the profile, and what it misses is fitted:
   request_s = TTFT_A - sim TTFT_A;  step_s + b x token_s = TPOT - sim TPOT, at b = 1 (A) and
-  b = concurrency (B); then, with those: borrow_prefill_s = TTFT_C - sim TTFT_C and
-  borrow_decode_s = TPOT_C - sim TPOT_C.
+  b = concurrency (B); then, with those: borrow_prefill_share = (TTFT_C - sim TTFT_C) / the
+  prompt's engine prefill time on both cores (the cost grows with the step: measured on an AVX2
+  EPYC, a flat cost fitted on a 512-token prompt put the conversations' short later turns 2-3x too
+  slow) and borrow_decode_s = TPOT_C - sim TPOT_C.
 Loads of one shape, fitted once: the validation runs (other shapes, Poisson rates) check them.
 """
 
@@ -105,7 +107,8 @@ def fit(
     fitted_from["lend_cores_all_one_at_a_time"] = _figures(lent, sim_lent, lone_requests)
     return replace(
         serving,
-        borrow_prefill_s=max(0.0, (lent["p50_ttft_ms"] - sim_lent.ttft_ms["p50"]) / 1e3),
+        borrow_prefill_share=max(0.0, (lent["p50_ttft_ms"] - sim_lent.ttft_ms["p50"]) / 1e3)
+        / profile.chunk_s(0, PROMPT_TOKENS, 2),
         borrow_decode_s=max(0.0, (lent["p50_tpot_ms"] - sim_lent.tpot_ms["p50"]) / 1e3),
     )
 

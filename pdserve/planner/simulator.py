@@ -281,10 +281,13 @@ class Simulation:
         serving = self.profile.serving
         borrowed = serving is not None and threads > len(worker.home)
         if is_prefill:
-            return (serving.borrow_prefill_s if borrowed else 0.0) + sum(
+            compute_s = sum(
                 self.profile.chunk_s(s.computed_tokens, s.computed_tokens + n, threads)
                 for s, n in chunks
             )
+            if not borrowed:
+                return compute_s
+            return serving.borrow_prefill_s + compute_s * (1 + serving.borrow_prefill_share)
         context = sum(s.context_tokens for s, _ in chunks) / len(chunks)
         step_s = self.profile.decode_step_s(len(chunks), context, threads)
         return step_s + (serving.borrow_decode_s if borrowed else 0.0)

@@ -11,6 +11,7 @@ PY=${PY:-.venv/bin/python}
 PORT=${PORT:-50771}
 RATES=${RATES:-0.5,1,2}
 SEED=${SEED:-11}
+GOODPUT=${GOODPUT:-"ttft:1000 tpot:50"}  # the SLO the client counts goodput at
 CONVERSATION=${CONVERSATION:-"--users 8 --turns 4 --system-prompt-len 256 --turn-input-len 64 --random-output-len 64 --think-time-s 2 --request-rate 0.5 --seed 7"}
 mkdir -p "$OUT"
 {
@@ -30,14 +31,15 @@ for system in "$@"; do
     "$PY" -c "import sys; from pdserve.client import PdserveClient; sys.exit(not PdserveClient('127.0.0.1', $PORT).wait_ready(300))"
     "$PY" -m pdserve.cli bench --backend grpc --port "$PORT" --num-prompts 2 --random-input-len 512 \
         --random-output-len 16 --seed 99 --disable-tqdm > /dev/null
+    # shellcheck disable=SC2086
     "$PY" -m pdserve.cli bench --backend grpc --port "$PORT" --dataset random --random-input-len 512 \
         --random-output-len 128 --num-prompts 32 --request-rate "$RATES" --seed "$SEED" \
-        --metric-percentiles 50,90,99 --goodput ttft:1000 tpot:50 --disable-tqdm \
+        --metric-percentiles 50,90,99 --goodput $GOODPUT --disable-tqdm \
         --save-result --result-file "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
     if [ -n "$CONVERSATION" ]; then
         # shellcheck disable=SC2086
         "$PY" -m pdserve.cli bench --backend grpc --port "$PORT" --dataset conversation $CONVERSATION \
-            --metric-percentiles 50,90,99 --goodput ttft:1000 tpot:50 --disable-tqdm \
+            --metric-percentiles 50,90,99 --goodput $GOODPUT --disable-tqdm \
             --save-result --result-file "$OUT/$name-conversation.json" > "$OUT/$name-conversation.txt" 2>&1
     fi
     kill -TERM "$server"; wait "$server" || true
