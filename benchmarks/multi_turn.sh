@@ -47,7 +47,7 @@ for system in "$@"; do
         continue
     fi
     port=$GRPC_PORT; [ "$backend" = grpc ] || port=$HTTP_PORT
-    trap 'kill -INT "$server" 2>/dev/null' EXIT
+    trap 'kill -TERM "$server" 2>/dev/null' EXIT
     # shellcheck disable=SC2086
     "$PY" -m pdserve.cli serve --port "$GRPC_PORT" --http-port "$HTTP_PORT" --served-model-name smollm2 $flags \
         > "$OUT/$name.log" 2>&1 &
@@ -60,7 +60,7 @@ for system in "$@"; do
             --dataset-name prefix_repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 64 \
             --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 64 > "$OUT/$name-prefix-repetition.txt" 2>&1 || true
     fi
-    kill -INT "$server"; wait "$server" || true
+    kill -TERM "$server"; wait "$server" || true
     trap - EXIT
     sleep 3
 done

@@ -28,7 +28,7 @@ run_system() {
         --random-input-len 512 --random-output-len 128 --request-rate "$RATES" --seed 1 \
         --goodput ttft:1000 tpot:50 --metric-percentiles 50,99 --percentile-metrics ttft,tpot,itl,e2el \
         --result-file "$OUT/$name.json" --plot "$OUT/$name.png" --disable-tqdm | tee "$OUT/$name.txt"
-    kill -INT "$server"
+    kill -TERM "$server"
     wait "$server" || true
 }
 

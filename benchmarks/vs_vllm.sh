@@ -47,14 +47,14 @@ for system in "$@"; do
         continue
     fi
     # shellcheck disable=SC2086
-    trap 'kill -INT "$server" 2>/dev/null' EXIT
+    trap 'kill -TERM "$server" 2>/dev/null' EXIT
     (cd "${PDSERVE_PYTHONPATH:-.}" && PYTHONPATH="${PDSERVE_PYTHONPATH:-}" exec "$PY" -m pdserve.cli serve \
         --port 0 --http-port "$PORT" --served-model-name smollm2 $flags > "$OUT/$name.log" 2>&1) &
     server=$!
     for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
     measure "$name" "http://127.0.0.1:$PORT"
     curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT/$name.metrics.txt" || true
-    kill -INT "$server"; wait "$server" || true
+    kill -TERM "$server"; wait "$server" || true
     trap - EXIT
     sleep 3
 done
