@@ -21,9 +21,10 @@ import urllib.request
 import grpc
 import pytest
 
-# ~300 tokens: long enough that prefill takes a while on one core
+# ~110 tokens, 7 KV blocks: the test fault points hold a request in each phase, so its length does
+# not need to keep a phase going (it was ~300 tokens while sleeps placed the kills)
 PROMPT = (
-    "Rivers shaped where people settled, traded and fought. " * 30
+    "Rivers shaped where people settled, traded and fought. " * 10
     + "Write a long essay about rivers."
 )
 MAX_TOKENS = 40

@@ -25,7 +25,7 @@ MAX_WAITING_FOR_KV = 8
 # A refusal is decided before any work: it comes back within this, even as the 200th of a burst on 2
 # cores.
 REFUSAL_BOUND_S = 2.0
-SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "15"))  # longer soaks: PDSERVE_SOAK_S=600
+SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "10"))  # longer soaks: PDSERVE_SOAK_S=600
 # The soak runs for SOAK_S and at least this many requests, whatever the CPU's speed (a slow or busy
 # machine served 50 in 15 s), within SOAK_LIMIT_S
 SOAK_MIN_REQUESTS = 60
@@ -243,7 +243,7 @@ def test_soak_keeps_memory_flat(system, references):
             await asyncio.gather(*(client(i) for i in range(8)))
             return done
 
-    asyncio.run(steady(system.port, time.monotonic() + 8))  # warm-up: allocator pools, caches
+    asyncio.run(steady(system.port, time.monotonic() + 5))  # warm-up: allocator pools, caches
     system.wait_idle()
     router_before, workers_before = rss_bytes(), _worker_rss(system)
     served = asyncio.run(steady(system.port, time.monotonic() + SOAK_S, SOAK_MIN_REQUESTS))

@@ -48,7 +48,7 @@ def synthetic_profile(
 def test_prefill_queue_matches_md1(utilisation):
     """One prefill worker, one 512-token prompt per step (deterministic service S), Poisson
     arrivals: the mean wait before its prefill starts is M/D/1's rho / (2 mu (1 - rho)), within 5 %
-    over 3 x 15k requests."""
+    over 3 x 8k requests (1.3 and 2.4 % off; 3 x 15k took 15 s of the suite for 3.4 and 1.5 %)."""
     profile = synthetic_profile()
     service_s = profile.prefill_s(512)
     rate = utilisation / service_s
@@ -56,7 +56,7 @@ def test_prefill_queue_matches_md1(utilisation):
     waits_ms = []
     for seed in range(3):
         workload = Workload(
-            input_tokens=(512, 512), output_tokens=(1, 1), num_requests=15000, seed=seed
+            input_tokens=(512, 512), output_tokens=(1, 1), num_requests=8000, seed=seed
         )
         report = simulate(profile, shape, SLO_FAST, workload.requests(rate))
         waits_ms.append(report.mean_queue_ms)
