@@ -12,8 +12,9 @@
 - fp32 on an AVX2-only core (no AVX-512): MKL's and oneDNN's kernels for 2-16 rows ran at a third to
   two thirds of the core's memory speed there. Decode batches of 1 to `DECODE_KERNEL_MAX_ROWS` - 1
   rows run engine/csrc/decode_linear.c on a second copy of each weight laid out in panels of 16
-  outputs (`decode_panels`): a model's linears at 4 rows take 36 against 51 ms (oneDNN) and 82 ms
-  (MKL) on one thread, at 1 row they read at memory speed as MKL's gemv does (docs/benchmarks.md).
+  outputs (`decode_panels`): a model's linears at 4 rows take 37 against 47 ms (oneDNN) and 78 ms
+  (MKL) on one thread, at 1 row they read at memory speed as MKL's gemv does
+  (`benchmarks/decode_linear_bench.py`, docs/benchmarks.md).
   Each output is one chain of fused multiply-adds in k order whatever the batch, so a row's result
   does not depend on the rows beside it. Prefill chunks of 64 rows or more keep MKL on the
   transposed weight, bit-identical to `F.linear`. The panels are plain tensors: the disk cache keeps
