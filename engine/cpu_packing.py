@@ -77,16 +77,17 @@ def decode_linear_supported() -> bool:
     )
 
 
-def decode_panels(weight_t: torch.Tensor) -> torch.Tensor:
-    """A transposed weight `[in, out]` laid out for the kernel: `[out / 16, in, 16]`, each panel of
-    16 outputs contiguous."""
-    inner, outer = weight_t.shape
-    return weight_t.view(inner, outer // _TILE_OUTPUTS, _TILE_OUTPUTS).transpose(0, 1).contiguous()
-
-
 def decode_panels_shape(weight_t: torch.Tensor) -> tuple[int, int, int]:
+    """`[out / 16, in, 16]` for a transposed weight `[in, out]`."""
     inner, outer = weight_t.shape
     return (outer // _TILE_OUTPUTS, inner, _TILE_OUTPUTS)
+
+
+def decode_panels(weight_t: torch.Tensor) -> torch.Tensor:
+    """A transposed weight laid out for the kernel (`decode_panels_shape`), each panel of 16
+    outputs contiguous."""
+    tiles, inner, width = decode_panels_shape(weight_t)
+    return weight_t.view(inner, tiles, width).transpose(0, 1).contiguous()
 
 
 def panels_fit(weight_t: torch.Tensor) -> bool:

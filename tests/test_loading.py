@@ -211,9 +211,9 @@ def test_fp32_decode_batches_on_avx2_run_the_decode_linear_kernel_on_panels_of_t
         x = torch.randn(rows, 200)
         assert torch.equal(layer(x), reference(x, weight, bias))
     # outputs not a multiple of the kernel's tile, or no kernel: no panels, MKL serves every batch
-    odd = TransposedLinear(torch.randn(40, 64), None, kernel)
-    for odd in (odd, TransposedLinear(weight, bias)):
-        assert odd.decode is None and odd.weight_panels is None
+    unfit = TransposedLinear(torch.randn(40, 64), None, kernel)
+    for plain in (unfit, TransposedLinear(weight, bias)):
+        assert plain.decode is None and plain.weight_panels is None
 
 
 def test_loading_the_default_model_does_not_import_torch_dynamo():

@@ -107,6 +107,7 @@ def fit(
     fitted_from["lend_cores_all_one_at_a_time"] = _figures(lent, sim_lent, lone_requests)
     return replace(
         serving,
+        # the lone prompt's prefill on both workers' cores: its home thread and the borrowed one
         borrow_prefill_share=max(0.0, (lent["p50_ttft_ms"] - sim_lent.ttft_ms["p50"]) / 1e3)
         / profile.chunk_s(0, PROMPT_TOKENS, 2),
         borrow_decode_s=max(0.0, (lent["p50_tpot_ms"] - sim_lent.tpot_ms["p50"]) / 1e3),
