@@ -3,12 +3,19 @@ against its plain loops alone (built with -DPDSERVE_PLAIN_LOOPS), bf16 cache, Sm
 (9 query heads over 3 kv heads of 64), times 30 layers.
 
     python -m benchmarks.paged_attention_bench
+
+With `--against OLD.c` (say `git show REV:engine/csrc/paged_attention.c > /tmp/old.c`), this tree's
+kernel against that source's instead, as a decode step meets it: each of the 30 layers has its own
+caches (3000 blocks of each, so nothing stays in the CPU's caches between layers), fp32 and bf16,
+block tables shuffled or in order, one and two threads, the two kernels alternating.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,7 +36,59 @@ def _median_s(kernel, args, repeats: int = 60) -> float:
     return statistics.median(times)
 
 
+def against(old_source: Path) -> None:
+    kernels = {
+        "this tree": paged_attention.PagedDecodeAttention(paged_attention.build()),
+        "against": paged_attention.PagedDecodeAttention(paged_attention.build(source=old_source)),
+    }
+    print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}; ms per 30 layers, median")
+    generator = torch.Generator().manual_seed(0)
+    total_blocks, block_size, context = 3000, 16, 540
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = [
+            tuple(
+                torch.randn(total_blocks, block_size, 3, 64, generator=generator).to(dtype)
+                for _ in range(2)
+            )
+            for _ in range(LAYERS)
+        ]
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for batch in (1, 4, 8):
+                blocks = -(-context // block_size)
+                for order in ("shuffled", "in order"):
+                    ids = (
+                        torch.randperm(total_blocks, generator=generator)
+                        if order == "shuffled"
+                        else torch.arange(total_blocks)
+                    )
+                    args = (
+                        torch.randn(batch, 9, 64, generator=generator),
+                        ids[: batch * blocks].view(batch, blocks).contiguous(),
+                        torch.full((batch,), context, dtype=torch.long),
+                    )
+                    times = {name: [] for name in kernels}
+                    for _ in range(12):
+                        for name, kernel in kernels.items():
+                            start = time.perf_counter()
+                            for k_cache, v_cache in caches:
+                                kernel(args[0], k_cache, v_cache, args[1], args[2], 0.125)
+                            times[name].append(time.perf_counter() - start)
+                    ms = {name: statistics.median(t[2:]) * 1000 for name, t in times.items()}
+                    print(
+                        f"{str(dtype)[6:]}, {threads} thread(s), batch {batch}, blocks {order}: "
+                        + ", ".join(f"{name} {value:.2f}" for name, value in ms.items())
+                        + f" ({ms['against'] / ms['this tree']:.2f}x)"
+                    )
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--against", type=Path, help="another paged_attention.c to time against")
+    args = parser.parse_args()
+    if args.against:
+        against(args.against)
+        return
     built = paged_attention.PagedDecodeAttention(paged_attention.build())
     plain = paged_attention.PagedDecodeAttention(
         paged_attention.build(extra_flags=("-DPDSERVE_PLAIN_LOOPS",))

@@ -51,7 +51,11 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
  * one core draws from memory, because they are bound by their own loads and stores. This path keeps
  * the same three passes (scores, softmax, V) but walks K and V block by block (the next block is
  * prefetched: the hardware cannot guess where the block table points), and shares every K and V row
- * it loads among the (up to three at a time) query heads of its kv head:
+ * it loads among the (up to three at a time) query heads of its kv head. The next block is prefetched a
+ * kv head's share at a time, before each kv head of this one: issued all at once, its 192 lines (fp32,
+ * SmolLM2's heads) stalled on the core's miss buffers instead of overlapping the arithmetic, and the
+ * spread prefetch is 1.05-1.37x faster over 30 layers' caches that miss every level (fp32 and bf16, one
+ * and two threads; docs/benchmarks.md):
  *   scores: 4 tokens x 3 heads in 12 accumulator registers, reduced four at a time by hadd;
  *   V:      16 output lanes x 3 heads in 6 registers over a block's tokens.
  * bf16 rows are widened to fp32 once per block. The order of the sums differs from the plain loops,
@@ -172,8 +176,9 @@ INLINE void block_values(float *out, const float *p, int64_t len, const float *v
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
         const ELEM *block = (CACHE) + table[t0 / block_size] * block_size * row_size;              \
-        if (t0 + block_size < len) prefetch_block((CACHE) + table[t0 / block_size + 1] * block_size * row_size, block_bytes); \
+        const ELEM *next = t0 + block_size < len ? (CACHE) + table[t0 / block_size + 1] * block_size * row_size : NULL; \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
+            if (next) prefetch_block((const char *)next + h * (block_bytes / num_kv_heads), block_bytes / num_kv_heads); \
             int64_t stride;                                                                         \
             const float *rows = ROWS(block + h * head_dim, n, row_size, head_dim, scratch, &stride); \
             FOR_HEAD_GROUPS(h * group, group, CALL);                                                \
