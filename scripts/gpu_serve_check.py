@@ -114,8 +114,8 @@ FULL = {
 }
 QUICK = {
     # the 8B section's stand-in: random weights of a shape whose vocabulary the tokenizer covers
-    "8b": Plan("8b", "dummy:smollm2-135m", "float32", 24, 4, (2, 4, 8), 2, 2, 32 << 20, 512, 0, 0),
-    "default": Plan("default", "default", "float32", 24, 4, (2, 4, 8), 2, 2, 32 << 20, 512, 2, 8),
+    "8b": Plan("8b", "dummy:smollm2-135m", "float32", 24, 4, (2, 8), 2, 2, 32 << 20, 512, 0, 0),
+    "default": Plan("default", "default", "float32", 24, 4, (2, 8), 2, 2, 32 << 20, 512, 2, 8),
 }
 # (prefill workers, decode workers) of each mode
 WORKERS = {"disaggregated": (1, 1), "colocated": (0, 2)}
