@@ -122,9 +122,14 @@ INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t
             }
         }
         for (int g = 0; g < heads; g++) {
+            const __m128 four = _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), s);
+            if (n - j0 >= 4) {  /* a store, not a call of memcpy for a variable size */
+                _mm_storeu_ps(scores + g * len + j0, four);
+                continue;
+            }
             float lane[4];
-            _mm_storeu_ps(lane, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), s));
-            memcpy(scores + g * len + j0, lane, sizeof(float) * (size_t)(n - j0 < 4 ? n - j0 : 4));
+            _mm_storeu_ps(lane, four);
+            for (int64_t j = 0; j < n - j0; j++) scores[g * len + j0 + j] = lane[j];
         }
     }
 }
