@@ -3,9 +3,10 @@
 Fills a batch of sequences with random prompts of a fixed context length, then times engine steps
 (decode only) alternately with and without the feature, and prints the median step of each, so both
 sides share the same machine state. `--compare kernel` (the default): the paged decode-attention
-kernel against the torch path (gather + SDPA); `--compare linear`: fp32 decode batches' linears
-through engine/csrc/decode_linear.c (engine/cpu_packing.py, AVX2 machines) against MKL on the same
-transposed weights;
+kernel against the torch path (gather + SDPA), or with `--against OLD.c` against the kernel built
+from that source (an older engine/csrc/paged_attention.c, its cpu_math.h beside it);
+`--compare linear`: fp32 decode batches' linears through engine/csrc/decode_linear.c
+(engine/cpu_packing.py, AVX2 machines) against MKL on the same transposed weights;
 `--compare mapped` (fp32): the transposed weights memory-mapped from the disk cache, as workers
 serve them, against copies of them in the process's own memory; `--compare logprobs`: every sequence
 asking for logprobs with `--top-logprobs` alternatives (20, the most a request may ask) against none
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 # Mid-JSON through the timed steps: strings and arrays the model keeps filling.
 _SCHEMA = {
@@ -50,6 +52,9 @@ def main() -> None:
         default="kernel",
     )
     parser.add_argument(
+        "--against", type=Path, help="--compare kernel: another paged_attention.c, not torch's path"
+    )
+    parser.add_argument(
         "--top-logprobs", type=int, default=20, help="--compare logprobs: alternatives per token"
     )
     args = parser.parse_args()
@@ -60,7 +65,7 @@ def main() -> None:
 
     from engine.cpu_packing import TransposedLinear
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.paged_attention import load_kernel
+    from engine.paged_attention import PagedDecodeAttention, build, load_kernel
     from engine.sampling_params import GuidedDecoding, SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -81,6 +86,7 @@ def main() -> None:
     kernel = load_kernel()
     if kernel is None:
         raise SystemExit("the kernel is not available here (no C compiler?): nothing to compare")
+    baseline = PagedDecodeAttention(build(source=args.against)) if args.against else None
     layers = [m for m in engine.loaded.model.modules() if isinstance(m, TransposedLinear)]
     linear_kernels = [m.decode for m in layers]
     if args.compare == "linear" and not any(k is not None for k in linear_kernels):
@@ -116,7 +122,7 @@ def main() -> None:
                 )
             return
         if args.compare == "kernel":
-            engine.loaded.model.use_decode_kernel(kernel if on else None)
+            engine.loaded.model.use_decode_kernel(kernel if on else baseline)
             return
         if args.compare == "mapped":
             for layer, weight in zip(layers, mapped if on else copies):
@@ -126,7 +132,10 @@ def main() -> None:
             layer.decode = linear if on else None
 
     before, after = {
-        "kernel": ("torch (gather + SDPA)", "paged kernel"),
+        "kernel": (
+            f"kernel of {args.against}" if args.against else "torch (gather + SDPA)",
+            "paged kernel",
+        ),
         "linear": ("MKL", "decode linear kernel"),
         "mapped": ("own memory", "mapped"),
         "logprobs": ("no logprobs", "logprobs"),
