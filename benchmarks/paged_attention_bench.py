@@ -44,6 +44,7 @@ def against(old_source: Path) -> None:
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}; ms per 30 layers, median")
     generator = torch.Generator().manual_seed(0)
     total_blocks, block_size, context = 3000, 16, 540
+    blocks = -(-context // block_size)  # per sequence
     for dtype in (torch.float32, torch.bfloat16):
         caches = [
             tuple(
@@ -55,24 +56,21 @@ def against(old_source: Path) -> None:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for batch in (1, 4, 8):
-                blocks = -(-context // block_size)
                 for order in ("shuffled", "in order"):
                     ids = (
                         torch.randperm(total_blocks, generator=generator)
                         if order == "shuffled"
                         else torch.arange(total_blocks)
                     )
-                    args = (
-                        torch.randn(batch, 9, 64, generator=generator),
-                        ids[: batch * blocks].view(batch, blocks).contiguous(),
-                        torch.full((batch,), context, dtype=torch.long),
-                    )
+                    q = torch.randn(batch, 9, 64, generator=generator)
+                    tables = ids[: batch * blocks].view(batch, blocks).contiguous()
+                    lens = torch.full((batch,), context, dtype=torch.long)
                     times = {name: [] for name in kernels}
                     for _ in range(12):
                         for name, kernel in kernels.items():
                             start = time.perf_counter()
                             for k_cache, v_cache in caches:
-                                kernel(args[0], k_cache, v_cache, args[1], args[2], 0.125)
+                                kernel(q, k_cache, v_cache, tables, lens, 0.125)
                             times[name].append(time.perf_counter() - start)
                     ms = {name: statistics.median(t[2:]) * 1000 for name, t in times.items()}
                     print(

@@ -49,13 +49,12 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
  * The plain loops above leave the work to the auto-vectorizer: a horizontal sum per q.k and the V
  * accumulators in memory. On an AVX2 core they read the cache at ~7 GB/s, under half of the ~17 GB/s
  * one core draws from memory, because they are bound by their own loads and stores. This path keeps
- * the same three passes (scores, softmax, V) but walks K and V block by block (the next block is
- * prefetched: the hardware cannot guess where the block table points), and shares every K and V row
- * it loads among the (up to three at a time) query heads of its kv head. The next block is prefetched a
- * kv head's share at a time, before each kv head of this one: issued all at once, its 192 lines (fp32,
- * SmolLM2's heads) stalled on the core's miss buffers instead of overlapping the arithmetic, and the
- * spread prefetch is 1.05-1.37x faster over 30 layers' caches that miss every level (fp32 and bf16, one
- * and two threads; docs/benchmarks.md):
+ * the same three passes (scores, softmax, V) but walks K and V block by block, and shares every K and
+ * V row it loads among the (up to three at a time) query heads of its kv head. The next block is
+ * prefetched (the hardware cannot guess where the block table points) a kv head's share before each kv
+ * head of this one: issued all at once, its 192 lines (fp32, SmolLM2's heads) stalled on the core's miss
+ * buffers instead of overlapping the arithmetic; spread, 1.05-1.37x faster over 30 layers' caches that
+ * miss every level (fp32 and bf16, one and two threads; docs/benchmarks.md):
  *   scores: 4 tokens x 3 heads in 12 accumulator registers, reduced four at a time by hadd;
  *   V:      16 output lanes x 3 heads in 6 registers over a block's tokens.
  * bf16 rows are widened to fp32 once per block. The order of the sums differs from the plain loops,
@@ -183,7 +182,7 @@ INLINE void block_values(float *out, const float *p, int64_t len, const float *v
         const ELEM *block = (CACHE) + table[t0 / block_size] * block_size * row_size;              \
         const ELEM *next = t0 + block_size < len ? (CACHE) + table[t0 / block_size + 1] * block_size * row_size : NULL; \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
-            if (next) prefetch_block((const char *)next + h * (block_bytes / num_kv_heads), block_bytes / num_kv_heads); \
+            if (next) prefetch_block((const char *)next + h * head_bytes, head_bytes);               \
             int64_t stride;                                                                         \
             const float *rows = ROWS(block + h * head_dim, n, row_size, head_dim, scratch, &stride); \
             FOR_HEAD_GROUPS(h * group, group, CALL);                                                \
@@ -198,6 +197,7 @@ static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const
     if (head_dim % 8 != 0 || len < 1) return NOT_HANDLED;                                          \
     const int64_t group = num_heads / num_kv_heads, row_size = num_kv_heads * head_dim;            \
     const int64_t block_bytes = block_size * row_size * (int64_t)sizeof(ELEM);                     \
+    const int64_t head_bytes = block_bytes / num_kv_heads; /* a kv head's share of a block */       \
     float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * len + block_size * head_dim)); \
     if (!scores) return -2;                                                                         \
     float *scratch = scores + num_heads * len;                                                      \
