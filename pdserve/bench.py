@@ -447,6 +447,7 @@ def _rate_result(
             "start_times_s": [r.start_s for r in records],
             "kv_bytes": [r.kv_bytes for r in records],
             "cached_prompt_tokens": [r.cached_prompt_tokens for r in records],
+            "server_prefill_s": [r.server_prefill_s for r in records],
             "errors": [r.error for r in records],
         },
     }

@@ -47,6 +47,7 @@ class StreamClock:
         kv_bytes: Optional[int] = None,
         cached_prompt_tokens: Optional[int] = None,
         reply_text: str = "",
+        server_prefill_s: Optional[float] = None,
     ) -> RequestRecord:
         if not error and self.ttft_s is None:
             error = "the stream ended without output"
@@ -62,6 +63,7 @@ class StreamClock:
             kv_bytes=kv_bytes,
             cached_prompt_tokens=cached_prompt_tokens,
             reply_text=reply_text,
+            server_prefill_s=server_prefill_s,
         )
 
 
@@ -132,6 +134,8 @@ class GrpcBackend:
             kv_bytes=final.timings.kv_bytes,
             cached_prompt_tokens=final.usage.cached_prompt_tokens,
             reply_text="".join(texts),
+            # a prompt prefilled where it decodes (colocated, a local prefill) is not timed apart
+            server_prefill_s=final.timings.prefill_s if final.prefill_worker else None,
         )
 
 

@@ -34,6 +34,9 @@ class RequestRecord:
     # KV shipped from the prefill to the decode worker; None: the backend cannot know
     kv_bytes: Optional[int] = None
     cached_prompt_tokens: Optional[int] = None  # as the server reports them; None: it reports none
+    # the prefill worker's engine step that prefilled the prompt, as the server timed it; None: it
+    # reports none (the OpenAI APIs; a prompt prefilled on the worker that decodes it)
+    server_prefill_s: Optional[float] = None
     reply_text: str = ""  # the generated text as streamed: a conversation's next turn sends it back
     # 1-based turn within its conversation; None outside the conversation dataset
     turn: Optional[int] = None
@@ -77,6 +80,11 @@ def compute_metrics(
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
         "max_concurrent_requests": _peak_concurrency(records),
+        # the server's own prefill time (the grpc backend's timings), which pdserve's planner
+        # compares with the client's TTFT; None: the server reports none
+        "median_server_prefill_ms": _median_ms(
+            [r.server_prefill_s for r in done if r.server_prefill_s is not None]
+        ),
     }
     if goodput_slos_ms:
         good = [
@@ -116,6 +124,10 @@ def per_turn_metrics(
             }
         )
     return per_turn
+
+
+def _median_ms(values_s: Sequence[float]) -> Optional[float]:
+    return float(np.median(values_s)) * 1e3 if values_s else None
 
 
 def _latency_stats_ms(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict:

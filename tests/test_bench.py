@@ -40,6 +40,7 @@ RESULT_FIELDS = [
     "output_throughput",
     "total_token_throughput",
     "max_concurrent_requests",
+    "median_server_prefill_ms",
     "distinct_errors",
     "requests",
     *METRIC_FIELDS,
@@ -51,6 +52,7 @@ PER_REQUEST_FIELDS = [
     "itls_s",
     "e2els_s",
     "start_times_s",
+    "server_prefill_s",
     "errors",
 ]
 
@@ -346,6 +348,12 @@ def test_grpc_benchmark_against_a_live_system(system, tokenizer, tmp_path, capsy
     assert result["total_input_tokens"] == 6 * 32  # token ids are sent as they are
     # generous SLOs: all good
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    # the server times the prefill worker's step (a prompt prefilled where it decodes: None)
+    server_prefill_s = result["requests"]["server_prefill_s"]
+    ttfts_s = result["requests"]["ttfts_s"]
+    timed = [(s, ttft) for s, ttft in zip(server_prefill_s, ttfts_s) if s is not None]
+    assert all(0 < s < ttft for s, ttft in timed)
+    assert (result["median_server_prefill_ms"] is None) == (not timed)
     printed = capsys.readouterr().out
     assert (
         "============ Serving Benchmark Result ============" in printed
@@ -373,6 +381,7 @@ def test_http_benchmark_against_a_live_system(system, tokenizer, backend, tmp_pa
     sweep(config, tokenizer=tokenizer)
     report = _check_report(result_file, num_prompts=4, output_len=8)
     assert report["model"]  # found through GET /v1/models
+    assert report["results"][0]["median_server_prefill_ms"] is None  # the HTTP APIs do not say
     input_lens = report["results"][0]["requests"]["input_lens"]
     # the server's count
     assert all(n > 32 if backend == "openai-chat" else abs(n - 32) <= 2 for n in input_lens)

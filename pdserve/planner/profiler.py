@@ -8,7 +8,8 @@ themselves.
   a decode worker admits transferred KV, so no prompt is prefilled to build them);
 - KV handoff: per transport, between two Ray actors (handoff_probe.py); `--quick`: in this process;
 - the router's Python work per streamed token: unpacking the decode worker's chunk and detokenizing.
-Medians of `repeats` after a warm-up.
+Medians of `repeats` after a warm-up; the prefill points of a thread count are timed in rounds over
+all of them, so that a slow spell of the machine does not shift one point alone.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, TypeVar
 
 from pdserve.planner.profile import ContextPrefillPoint, DecodePoint, PrefillPoint, Profile
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -79,26 +82,30 @@ def measure(
     prefill = []
     for threads in grid.threads:
         torch.set_num_threads(threads)
-        for tokens in grid.prompt_tokens:
-            seconds = _median_of(grid.repeats, lambda: _prefill_once(engine, random_prompt(tokens)))
+        medians = _interleaved_medians(
+            grid.prompt_tokens,
+            grid.repeats,
+            lambda tokens: _prefill_once(engine, random_prompt(tokens)),
+        )
+        for tokens, seconds in medians.items():
             prefill.append(PrefillPoint(tokens, threads, seconds))
             log(f"prefill {tokens:5d} tokens, {threads} thread(s): {seconds * 1e3:8.1f} ms")
     context_prefill = []
     for threads in grid.threads:
         torch.set_num_threads(threads)
-        for context in grid.context_tokens_prefill:
-            for new in grid.new_tokens_prefill:
-                seconds = _median_of(
-                    grid.repeats,
-                    lambda: _prefill_after_context_once(
-                        engine, random_prompt(context), random_prompt(new)
-                    ),
-                )
-                context_prefill.append(ContextPrefillPoint(context, new, threads, seconds))
-                log(
-                    f"prefill {new:4d} tokens after {context:5d} cached, {threads} thread(s): "
-                    f"{seconds * 1e3:8.1f} ms"
-                )
+        medians = _interleaved_medians(
+            [(c, n) for c in grid.context_tokens_prefill for n in grid.new_tokens_prefill],
+            grid.repeats,
+            lambda point: _prefill_after_context_once(
+                engine, random_prompt(point[0]), random_prompt(point[1])
+            ),
+        )
+        for (context, new), seconds in medians.items():
+            context_prefill.append(ContextPrefillPoint(context, new, threads, seconds))
+            log(
+                f"prefill {new:4d} tokens after {context:5d} cached, {threads} thread(s): "
+                f"{seconds * 1e3:8.1f} ms"
+            )
     decode = []
     for threads in grid.threads:
         torch.set_num_threads(threads)
@@ -182,9 +189,17 @@ def _kv_bytes(tokens: int) -> int:
     return (tokens + 1024) * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 4
 
 
-def _median_of(repeats: int, run: Callable[[], float]) -> float:
-    run()  # warm-up
-    return statistics.median(run() for _ in range(repeats))
+def _interleaved_medians(points: Sequence[T], repeats: int, run: Callable[[T], float]) -> dict:
+    """The median of `repeats` timings of each point, taken in rounds over all the points after a
+    warm-up round: a slow spell of the machine (this project's VMs vary 20-40 % within minutes)
+    lands on every point a little instead of on one point's whole median."""
+    for point in points:
+        run(point)
+    samples: dict = {point: [] for point in points}
+    for _ in range(repeats):
+        for point in points:
+            samples[point].append(run(point))
+    return {point: statistics.median(timings) for point, timings in samples.items()}
 
 
 def _prefill_once(engine, prompt: list[int]) -> float:

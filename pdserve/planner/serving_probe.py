@@ -10,11 +10,15 @@ on the cores the workers compute on; and a step on cores borrowed from another w
   so what is left is the serving path alone): A, one request at a time; B, `concurrency` at a time;
 - with lending on: C, one request at a time, so each step runs on the other worker's idle core too.
 The simulator runs the same loads on the profile, and what it misses is fitted:
-  request_s = TTFT_A - sim TTFT_A;  step_s + b x token_s = TPOT - sim TPOT, at b = 1 (A) and
-  b = concurrency (B); then, with those: borrow_prefill_share = (TTFT_C - sim TTFT_C) / the
-  prompt's engine prefill time on both cores (the cost grows with the step: measured on an AVX2
-  EPYC, a flat cost fitted on a 512-token prompt put the conversations' short later turns 2-3x too
-  slow) and borrow_decode_s = TPOT_C - sim TPOT_C.
+  request_s = TTFT_A - the server's prefill time of A's requests (`pdserve bench`'s
+  median_server_prefill_ms: the engine as fast as it was then, not as the profile found it minutes
+  before) - what the simulator adds to the profile's prefill;  step_s + b x token_s = TPOT - sim
+  TPOT, at b = 1 (A) and b = concurrency (B); then borrow_prefill_share = the server's prefill time
+  in C / its time in A x the engine's 1-thread / 2-thread prefill time - 1 (a share of the step: the
+  cost grows with it; measured on an AVX2 EPYC, a flat cost fitted on a 512-token prompt put the
+  conversations' short later turns 2-3x too slow), and borrow_decode_s = TPOT_C - sim TPOT_C, the
+  costs above included. Figures without the server's times (other backends) fit TTFT against the
+  simulator's alone.
 Loads of one shape, fitted once: the validation runs (other shapes, Poisson rates) check them.
 """
 
@@ -84,7 +88,14 @@ def fit(
     slo = SLO.parse("ttft:1000,tpot:50")  # only the lending slack reads it; the loads are light
     sim_lone = simulate(engine_only, shape, slo, closed_loop(lone_requests, 1))
     sim_batch = simulate(engine_only, shape, slo, closed_loop(2 * concurrency, concurrency))
-    request_s = max(0.0, (lone["p50_ttft_ms"] - sim_lone.ttft_ms["p50"]) / 1e3)
+    prefill_1_ms, prefill_2_ms = (profile.chunk_s(0, PROMPT_TOKENS, t) * 1e3 for t in (1, 2))
+    # The engine's prefill as the server timed it on the same requests, in place of the profile's
+    # of minutes before: this VM's speed drifts 20-40 % within minutes, and the difference would
+    # land in the serving path's cost (MEASURE-ME).
+    lone_prefill_ms = lone.get("median_server_prefill_ms") or prefill_1_ms
+    request_s = max(
+        0.0, (lone["p50_ttft_ms"] - lone_prefill_ms - sim_lone.ttft_ms["p50"] + prefill_1_ms) / 1e3
+    )
     lone_extra_s = (lone["p50_tpot_ms"] - sim_lone.tpot_ms["p50"]) / 1e3
     batch_extra_s = (batch["p50_tpot_ms"] - sim_batch.tpot_ms["p50"]) / 1e3
     token_s = max(0.0, (batch_extra_s - lone_extra_s) / (concurrency - 1))
@@ -105,11 +116,17 @@ def fit(
         closed_loop(lone_requests, 1),
     )
     fitted_from["lend_cores_all_one_at_a_time"] = _figures(lent, sim_lent, lone_requests)
+    lent_prefill_ms = lent.get("median_server_prefill_ms")
+    if lent_prefill_ms is not None and lone.get("median_server_prefill_ms"):
+        # the server's prefill on borrowed cores against its prefill on one core a minute before,
+        # scaled by the engine's two-thread speed-up: what borrowing costs beyond the engine
+        share = (lent_prefill_ms / lone_prefill_ms) * (prefill_1_ms / prefill_2_ms) - 1
+    else:  # the client's TTFT against the simulator's
+        share = (lent["p50_ttft_ms"] - sim_lent.ttft_ms["p50"]) / prefill_2_ms
     return replace(
         serving,
         # the lone prompt's prefill on both workers' cores: its home thread and the borrowed one
-        borrow_prefill_share=max(0.0, (lent["p50_ttft_ms"] - sim_lent.ttft_ms["p50"]) / 1e3)
-        / profile.chunk_s(0, PROMPT_TOKENS, 2),
+        borrow_prefill_share=max(0.0, share),
         borrow_decode_s=max(0.0, (lent["p50_tpot_ms"] - sim_lent.tpot_ms["p50"]) / 1e3),
     )
 
@@ -139,6 +156,7 @@ def _figures(measured: dict, simulated, requests: int) -> dict:
         "measured_tpot_p50_ms": measured["p50_tpot_ms"],
         "engine_only_ttft_p50_ms": simulated.ttft_ms["p50"],
         "engine_only_tpot_p50_ms": simulated.tpot_ms["p50"],
+        "server_prefill_p50_ms": measured.get("median_server_prefill_ms"),
     }
 
 
