@@ -90,8 +90,9 @@ def fit(
     sim_batch = simulate(engine_only, shape, slo, closed_loop(2 * concurrency, concurrency))
     prefill_1_ms, prefill_2_ms = (profile.chunk_s(0, PROMPT_TOKENS, t) * 1e3 for t in (1, 2))
     # The engine's prefill as the server timed it on the same requests, in place of the profile's
-    # of minutes before: this VM's speed drifts 20-40 % within minutes, and the difference would
-    # land in the serving path's cost (MEASURE-ME).
+    # of minutes before: this VM's speed drifts, and the difference would land in the serving
+    # path's cost (2026-12-04, AVX2 EPYC: client TTFT 1928 ms, server prefill 1895 ms, the profile's
+    # 1668 ms: 33 ms per request, not 260).
     lone_prefill_ms = lone.get("median_server_prefill_ms") or prefill_1_ms
     request_s = max(
         0.0, (lone["p50_ttft_ms"] - lone_prefill_ms - sim_lone.ttft_ms["p50"] + prefill_1_ms) / 1e3
