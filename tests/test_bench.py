@@ -118,6 +118,14 @@ def test_metrics_by_hand():
     assert m["mean_e2el_ms"] == pytest.approx(1400 / 3) and m["median_e2el_ms"] == pytest.approx(
         500
     )
+    assert m["median_server_prefill_ms"] is None  # no record says
+
+
+def test_the_servers_prefill_time_is_the_median_over_completed_requests_that_report_it():
+    records = _records()
+    for record, seconds in zip(records, (0.08, None, 0.05, 0.01)):  # the last one failed
+        record.server_prefill_s = seconds
+    assert compute_metrics(records, 2.0)["median_server_prefill_ms"] == pytest.approx(65)
 
 
 def test_goodput_counts_completed_requests_meeting_every_slo():
@@ -348,12 +356,12 @@ def test_grpc_benchmark_against_a_live_system(system, tokenizer, tmp_path, capsy
     assert result["total_input_tokens"] == 6 * 32  # token ids are sent as they are
     # generous SLOs: all good
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
-    # the server times the prefill worker's step (a prompt prefilled where it decodes: None)
+    # the server times the prefill worker's step of each request
     server_prefill_s = result["requests"]["server_prefill_s"]
     ttfts_s = result["requests"]["ttfts_s"]
-    timed = [(s, ttft) for s, ttft in zip(server_prefill_s, ttfts_s) if s is not None]
-    assert all(0 < s < ttft for s, ttft in timed)
-    assert (result["median_server_prefill_ms"] is None) == (not timed)
+    # (the harness's system prefills every prompt remotely)
+    assert all(s is not None and 0 < s < ttft for s, ttft in zip(server_prefill_s, ttfts_s))
+    assert 0 < result["median_server_prefill_ms"] < result["median_ttft_ms"]
     printed = capsys.readouterr().out
     assert (
         "============ Serving Benchmark Result ============" in printed

@@ -230,7 +230,7 @@ def test_the_servers_own_prefill_time_keeps_a_slower_machine_out_of_the_serving_
     }
     batch = {"p50_ttft_ms": batch_sim.ttft_ms["p50"], "p50_tpot_ms": batch_sim.tpot_ms["p50"]}
     lent = {
-        "p50_ttft_ms": 0.0,  # not read when the server's times are there
+        "p50_ttft_ms": 0.0,  # the fit reads the server's times instead
         "p50_tpot_ms": lone_sim.tpot_ms["p50"],
         "median_server_prefill_ms": slower * two_threads_ms * 1.25,
     }

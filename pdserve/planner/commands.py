@@ -153,10 +153,9 @@ def _profile(args: argparse.Namespace) -> int:
         serving = measure_serving(profile, log=log)
         log(
             f"serving path: {serving.request_s * 1e3:.1f} ms per request, decode step "
-            f"+{serving.step_s * 1e3:.2f} ms + {serving.token_s * 1e3:.2f} ms per token; a step on "
-            f"borrowed cores +{serving.borrow_prefill_share:.0%} of its engine time "
-            f"+{serving.borrow_prefill_s * 1e3:.1f} ms (prefill), "
-            f"+{serving.borrow_decode_s * 1e3:.1f} ms (decode)"
+            f"+{serving.step_s * 1e3:.2f} ms + {serving.token_s * 1e3:.2f} ms per token; "
+            f"on borrowed cores a prefill step +{serving.borrow_prefill_share:.1%} of its engine "
+            f"time, a decode step +{serving.borrow_decode_s * 1e3:.1f} ms"
         )
         profile = profile.with_serving(serving)
     profile.save(args.out)

@@ -119,8 +119,9 @@ def fit(
     fitted_from["lend_cores_all_one_at_a_time"] = _figures(lent, sim_lent, lone_requests)
     lent_prefill_ms = lent.get("median_server_prefill_ms")
     if lent_prefill_ms is not None and lone.get("median_server_prefill_ms"):
-        # the server's prefill on borrowed cores against its prefill on one core a minute before,
-        # scaled by the engine's two-thread speed-up: what borrowing costs beyond the engine
+        # the server's prefill on borrowed cores against its prefill on one core in the first load
+        # (another server, a few minutes before: drift between the two still lands here), scaled by
+        # the engine's two-thread speed-up: what borrowing costs beyond the engine
         share = (lent_prefill_ms / lone_prefill_ms) * (prefill_1_ms / prefill_2_ms) - 1
     else:  # the client's TTFT against the simulator's
         share = (lent["p50_ttft_ms"] - sim_lent.ttft_ms["p50"]) / prefill_2_ms
