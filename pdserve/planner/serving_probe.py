@@ -93,7 +93,8 @@ def fit(
     # of minutes before: this VM's speed drifts, and the difference would land in the serving
     # path's cost (2026-12-04, AVX2 EPYC: client TTFT 1928 ms, server prefill 1895 ms, the profile's
     # 1668 ms: 33 ms per request, not 260).
-    lone_prefill_ms = lone.get("median_server_prefill_ms") or prefill_1_ms
+    served_lone_ms = lone.get("median_server_prefill_ms")
+    lone_prefill_ms = served_lone_ms or prefill_1_ms
     request_s = max(
         0.0, (lone["p50_ttft_ms"] - lone_prefill_ms - sim_lone.ttft_ms["p50"] + prefill_1_ms) / 1e3
     )
@@ -118,7 +119,7 @@ def fit(
     )
     fitted_from["lend_cores_all_one_at_a_time"] = _figures(lent, sim_lent, lone_requests)
     lent_prefill_ms = lent.get("median_server_prefill_ms")
-    if lent_prefill_ms is not None and lone.get("median_server_prefill_ms"):
+    if lent_prefill_ms is not None and served_lone_ms:
         # the server's prefill on borrowed cores against its prefill on one core in the first load
         # (another server, a few minutes before: drift between the two still lands here), scaled by
         # the engine's two-thread speed-up: what borrowing costs beyond the engine
