@@ -13,7 +13,7 @@ from pdserve.planner.profile import DecodePoint, HandoffPoint, PrefillPoint, Pro
 from pdserve.planner.search import SearchSpace, cheapest
 from pdserve.planner.shape import SystemShape
 from pdserve.planner.simulator import simulate
-from pdserve.planner.workload import Workload
+from pdserve.planner.workload import Request, Workload
 from router.slo import SLO
 
 SLO_FAST = SLO.parse("ttft:1000,tpot:50")
@@ -91,6 +91,20 @@ def test_core_lending_shortens_prefill_when_decode_is_idle():
     alone = simulate(profile, SystemShape.parse("1p1d/remote", lend_cores=False), SLO_FAST, one)
     # two threads, twice as fast
     assert lent.ttft_ms["p50"] == pytest.approx(alone.ttft_ms["p50"] / 2, rel=0.01)
+
+
+def test_workers_sharing_cores_divide_them_while_both_are_busy():
+    """Two prefill workers of 0.5 CPU on a one-core node (one thread each), 1024-token prompts
+    (1.024 s alone) arriving 0.5 s apart: the first runs alone for 0.5 s, then both at half speed
+    until the first is done (1.548 s), then the second alone (done at 2.048 s, its TTFT 1.548 s).
+    A step's share of the cores follows the node's busy steps while it runs, not only as it starts
+    (which would give 1.024 and 2.048 s)."""
+    profile = synthetic_profile()
+    shape = SystemShape.parse("2p1d@0.5/remote", lend_cores=False)
+    requests = [Request(at, 1024, 1, i, previous_tokens=0) for i, at in enumerate((0.0, 0.5))]
+    report = simulate(profile, shape, SLO_FAST, requests, node_cores=1)
+    assert report.ttft_ms["mean"] == pytest.approx(1548, abs=1)
+    assert report.ttft_ms["p99"] == pytest.approx(1548, abs=1)
 
 
 def test_plan_finds_the_known_cheapest_shape():

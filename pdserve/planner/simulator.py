@@ -13,11 +13,13 @@ What it models, and whose code decides:
   (prefill chunks of `decode_interleave_tokens` alternating with decode steps while streams run, the
   whole budget when none do); a decode step costs `Profile.decode_step_s(batch, mean context)`;
 - cores (runtime/cores.py): workers are packed onto nodes of the profile's cores with home cores as
-  the workers claim them; workers sharing a home core slow each other down (the busy ones divide
-  it); a step borrows the home cores of idle workers of its node, and a prefill step the cores of a
-  worker that is only decoding, for the slack its streams have against the SLO's TPOT (the engine
-  loop's formula), at most `CorePolicy.max_pause_tpot` budgets: that worker's next step waits
-  meanwhile.
+  the workers claim them; a step runs at its share of the node's cores, min(1, cores / busy
+  threads), recomputed whenever a step of the node starts or ends (processor sharing: nothing pins
+  a thread to a core, so where workers share home cores, as fractional CPUs do, the OS divides the
+  node's cores among the busy ones); a step borrows the home cores of idle workers of its node,
+  and a prefill step the cores of a worker that is only decoding, for the slack its streams have
+  against the SLO's TPOT (the engine loop's formula), at most `CorePolicy.max_pause_tpot` budgets:
+  that worker's next step waits meanwhile.
 - the serving path (`Profile.serving`, fitted on a running system): a fixed cost per request before
   placement (the router, Ray calls, the first token's way back), per decode step a fixed cost plus
   one per token streamed (the stream item, the router's and client's work on the same cores), and a
@@ -75,6 +77,17 @@ class _Stream:
 
 
 @dataclass(eq=False)
+class _Step:
+    is_prefill: bool
+    chunks: list
+    started_s: float
+    work_s: float  # left of it, in seconds on its own cores with nobody else busy
+    rate: float = 1.0  # of its own speed it runs at now (shared cores)
+    rated_s: float = 0.0  # since when
+    version: int = 0  # its end event's: a rescheduled end makes the earlier one stale
+
+
+@dataclass(eq=False)
 class _Worker:
     handle: WorkerHandle
     role: str  # "prefill", "decode" or "colocated"
@@ -84,6 +97,7 @@ class _Worker:
     waiting: deque = field(default_factory=deque)  # streams to prefill here
     running: list = field(default_factory=list)  # streams decoding here
     busy_until_s: Optional[float] = None  # in a step until then
+    step: Optional[_Step] = None
     paused_until_s: float = 0.0  # lending its cores to a prefill until then
     prefilled_last: bool = False
     kv_reserved_tokens: int = 0  # of the requests routed to it, from placement to their end
@@ -260,9 +274,24 @@ class Simulation:
             if stream.queue_s is None:
                 stream.queue_s = self.now_s - stream.arrival_s
         duration_s = self._duration_s(worker, is_prefill, chunks)
-        worker.busy_until_s = self.now_s + duration_s
-        worker.busy_s += duration_s
-        self._at(worker.busy_until_s, self._step_done, (worker, is_prefill, chunks, duration_s))
+        worker.step = _Step(is_prefill, chunks, self.now_s, duration_s, rated_s=self.now_s)
+        self._share_cores(worker.node)
+
+    def _share_cores(self, node: int) -> None:
+        """Each busy step of the node goes on from now at its share of the node's cores, min(1,
+        cores / busy threads): nothing pins a thread to a core, so where workers share home cores
+        (fractional CPUs) the OS divides the node's cores among the busy ones. A step whose share
+        changed gets its end moved."""
+        busy = [w for w in self.workers if w.node == node and w.step is not None]
+        rate = min(1.0, self.node_cores / max(1, sum(len(w.home) for w in busy)))
+        for worker in busy:
+            step = worker.step
+            if step.rate == rate and step.version:
+                continue  # its end stands
+            step.work_s -= (self.now_s - step.rated_s) * step.rate
+            step.rate, step.rated_s, step.version = rate, self.now_s, step.version + 1
+            worker.busy_until_s = self.now_s + max(0.0, step.work_s) / rate
+            self._at(worker.busy_until_s, self._step_done, (worker, step, step.version))
 
     def _prefill_batch(self, worker: _Worker, budget: int):
         chunks = []
@@ -294,20 +323,12 @@ class Simulation:
 
     def _duration_s(self, worker: _Worker, is_prefill: bool, chunks) -> float:
         node = [w for w in self.prefill + self.decode if w.node == worker.node and w is not worker]
-        # Busy workers sharing a home core divide it.
-        sharing = max(
-            (
-                1 + sum(1 for o in node if o.busy_until_s is not None and core in o.home)
-                for core in worker.home
-            ),
-            default=1,
-        )
         threads = len(worker.home)
         lenders = []
         if self.shape.lend_cores and not worker.home_shared:
             lenders = [o for o in node if o.idle and not o.home_shared]
             threads += sum(len(o.home) for o in lenders)
-        base_s = self._step_s(worker, is_prefill, chunks, threads) * sharing
+        base_s = self._step_s(worker, is_prefill, chunks, threads)
         if not is_prefill and self.profile.serving is not None:
             base_s += self.profile.serving.decode_step_s(len(chunks))
         if not (is_prefill and self.shape.lend_cores and not worker.home_shared):
@@ -320,7 +341,7 @@ class Simulation:
             pause_s = min(slack_s, self.policy.max_pause_tpot * self.slo.tpot_s)
             if pause_s <= 0.005 or wait_s >= base_s:
                 continue
-            fast_s = self._step_s(worker, is_prefill, chunks, threads + len(owner.home)) * sharing
+            fast_s = self._step_s(worker, is_prefill, chunks, threads + len(owner.home))
             left = 1.0 - wait_s / base_s  # of the step's work, when the owner's step ends
             if left * fast_s <= pause_s:
                 owner.paused_until_s = self.now_s + wait_s + left * fast_s
@@ -348,8 +369,14 @@ class Simulation:
     # -- step ends -------------------------------------------------------------------------------
 
     def _step_done(self, argument) -> None:
-        worker, is_prefill, chunks, duration_s = argument
-        worker.busy_until_s = None
+        worker, step, version = argument
+        if worker.step is not step or step.version != version:
+            return  # its end moved (shared cores)
+        is_prefill, chunks = step.is_prefill, step.chunks
+        duration_s = self.now_s - step.started_s
+        worker.step = worker.busy_until_s = None
+        worker.busy_s += duration_s
+        self._share_cores(worker.node)
         if not is_prefill:
             worker.decode_steps += 1
             worker.decode_steps_s += duration_s
