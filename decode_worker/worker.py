@@ -97,6 +97,9 @@ class DecodeWorker(ParkingEndpoints):
         # reserve call is yet to run here
         self._aborted_unknown: dict[str, float] = {}
         self._served = 0
+        # per decoding request: the engine loop's decode step count and seconds before its first
+        # decoded token (the mean step of its decoding goes with its last chunk); engine thread
+        self._decode_from: dict[str, tuple[int, float]] = {}
         self._kv_host = kv_host  # the token stream binds where the KV receiver does
         # grpc.aio.Server, started on the actor's event loop by output_address
         self._output_server = None
@@ -342,6 +345,7 @@ class DecodeWorker(ParkingEndpoints):
         )
 
     def _abort(self, request_id: str) -> bool:
+        self._decode_from.pop(request_id, None)
         found = self.engine.abort(request_id) | self.receiver.abort(request_id)
         handoff = self._handoffs.pop(request_id, None)
         if handoff is not None and handoff.block_ids is not None and not handoff.decoding:
@@ -363,6 +367,7 @@ class DecodeWorker(ParkingEndpoints):
             output.request_id,
             tuple(output.new_token_ids),
             output.finish_reason,
+            decode_step_s=self._decode_step_s(output),
             kv_ready_wall_s=self._first_chunk_kv_ready_wall_s(output.request_id),
             num_cached_prompt_tokens=output.num_cached_prompt_tokens,
             logprobs=tuple(output.logprobs) if output.logprobs is not None else None,
@@ -370,6 +375,26 @@ class DecodeWorker(ParkingEndpoints):
             if output.prompt_logprobs is not None
             else None,
         )
+
+    def _decode_step_s(self, output: RequestOutput) -> Optional[float]:
+        """The mean engine decode step while the request decoded here (every decode step of the
+        worker from its first decoded token on has it in its batch), on its last output; None
+        before, and for a request that never decoded here."""
+        loop = self.loop
+        if not self.engine.last_step_was_prefill:
+            self._decode_from.setdefault(
+                output.request_id, (loop.decode_steps - 1, loop.decode_steps_s - loop.last_step_s)
+            )
+        if not output.finished:
+            return None
+        started = self._decode_from.pop(output.request_id, None)
+        # requests failed by an engine step that raised never finish here: drop what they left
+        running = {sequence.request_id for sequence in self.engine.scheduler.running}
+        for request_id in [r for r in self._decode_from if r not in running]:
+            del self._decode_from[request_id]
+        if started is None or loop.decode_steps <= started[0]:
+            return None
+        return (loop.decode_steps_s - started[1]) / (loop.decode_steps - started[0])
 
     def _first_chunk_kv_ready_wall_s(self, request_id: str) -> Optional[float]:
         """When the request's KV became ready, on its first decoded chunk (its handoff ends

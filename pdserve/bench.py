@@ -448,6 +448,7 @@ def _rate_result(
             "kv_bytes": [r.kv_bytes for r in records],
             "cached_prompt_tokens": [r.cached_prompt_tokens for r in records],
             "server_prefill_s": [r.server_prefill_s for r in records],
+            "server_decode_step_s": [r.server_decode_step_s for r in records],
             "errors": [r.error for r in records],
         },
     }

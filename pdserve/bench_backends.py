@@ -48,6 +48,7 @@ class StreamClock:
         cached_prompt_tokens: Optional[int] = None,
         reply_text: str = "",
         server_prefill_s: Optional[float] = None,
+        server_decode_step_s: Optional[float] = None,
     ) -> RequestRecord:
         if not error and self.ttft_s is None:
             error = "the stream ended without output"
@@ -64,6 +65,7 @@ class StreamClock:
             cached_prompt_tokens=cached_prompt_tokens,
             reply_text=reply_text,
             server_prefill_s=server_prefill_s,
+            server_decode_step_s=server_decode_step_s,
         )
 
 
@@ -136,6 +138,7 @@ class GrpcBackend:
             reply_text="".join(texts),
             # a prompt prefilled where it decodes (colocated, a local prefill) is not timed apart
             server_prefill_s=final.timings.prefill_s if final.prefill_worker else None,
+            server_decode_step_s=final.timings.decode_step_s or None,
         )
 
 

@@ -37,6 +37,9 @@ class RequestRecord:
     # the prefill worker's engine step that prefilled the prompt, as the server timed it; None: it
     # reports none (the OpenAI APIs; a prompt prefilled on the worker that decodes it)
     server_prefill_s: Optional[float] = None
+    # the decode worker's mean engine decode step while it decoded the request, as it timed them;
+    # None: it reports none (the OpenAI APIs; a request that never decoded)
+    server_decode_step_s: Optional[float] = None
     reply_text: str = ""  # the generated text as streamed: a conversation's next turn sends it back
     # 1-based turn within its conversation; None outside the conversation dataset
     turn: Optional[int] = None
@@ -84,6 +87,10 @@ def compute_metrics(
         # compares with the client's TTFT; None: the server reports none
         "median_server_prefill_ms": _median_ms(
             [r.server_prefill_s for r in done if r.server_prefill_s is not None]
+        ),
+        # and its decode steps (the decode worker's mean engine step per request), beside TPOT
+        "median_server_decode_step_ms": _median_ms(
+            [r.server_decode_step_s for r in done if r.server_decode_step_s is not None]
         ),
     }
     if goodput_slos_ms:

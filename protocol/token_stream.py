@@ -32,6 +32,9 @@ class TokenChunk:
     logprobs: Optional[tuple[WireLogprobs, ...]] = None
     # Colocated, with the first token: one per prompt token, the first None.
     prompt_logprobs: Optional[tuple[Optional[WireLogprobs], ...]] = None
+    # With the last chunk: the mean engine decode step (forward and sampling) while the request
+    # decoded here, as the worker timed it (the gRPC API's Timings.decode_step_s)
+    decode_step_s: Optional[float] = None
 
 
 # A decode worker's token stream to the router: the gRPC server-streaming method below, one message
@@ -41,7 +44,7 @@ class TokenChunk:
 # holds at that moment].
 OUTPUT_STREAM_SERVICE = "pdserve.internal.v1.DecodeOutputs"
 OUTPUT_STREAM_METHOD = f"/{OUTPUT_STREAM_SERVICE}/Subscribe"
-OUTPUT_STREAM_VERSION = 3  # 3: chunks carry logprobs
+OUTPUT_STREAM_VERSION = 4  # 3: chunks carry logprobs; 4: the last one the mean decode step
 
 # (True, hash): the worker now holds a block with this hash; False: no longer
 KVEvent = tuple[bool, bytes]

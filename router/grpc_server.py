@@ -189,6 +189,7 @@ def _response(request_id: str, item: StreamItem, prompt_ids: list[int]) -> "pb.G
                 kv_bytes=final.kv_bytes,
                 kv_transfer_s=final.kv_transfer_s,
                 e2e_s=final.e2e_s,
+                decode_step_s=final.decode_step_s,
             )
         )
         response.prefill_worker = final.prefill_worker

@@ -50,6 +50,7 @@ class FinalInfo:
     e2e_s: float
     prefill_worker: str = ""
     decode_worker: str = ""
+    decode_step_s: float = 0.0  # the decode worker's mean engine decode step; 0: none reported
 
 
 @dataclass
@@ -66,6 +67,8 @@ class Progress:
     prefill: Optional[PrefillResult] = None
     kv_transfer_s: float = 0.0
     cached_prompt_tokens: int = 0
+    # the decode worker's mean engine decode step for it, with its last chunk
+    decode_step_s: Optional[float] = None
 
     def text_for(self, token_ids, finish_reason: Optional[str]) -> str:
         text = ""
@@ -144,4 +147,5 @@ class Output:
             e2e_s=now - progress.start_s,
             prefill_worker=prefill.worker_id if prefill else "",
             decode_worker=decode_worker_id,
+            decode_step_s=progress.decode_step_s or 0.0,
         )

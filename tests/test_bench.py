@@ -41,6 +41,7 @@ RESULT_FIELDS = [
     "total_token_throughput",
     "max_concurrent_requests",
     "median_server_prefill_ms",
+    "median_server_decode_step_ms",
     "distinct_errors",
     "requests",
     *METRIC_FIELDS,
@@ -53,6 +54,7 @@ PER_REQUEST_FIELDS = [
     "e2els_s",
     "start_times_s",
     "server_prefill_s",
+    "server_decode_step_s",
     "errors",
 ]
 
@@ -119,6 +121,7 @@ def test_metrics_by_hand():
         500
     )
     assert m["median_server_prefill_ms"] is None  # no record says
+    assert m["median_server_decode_step_ms"] is None
 
 
 def test_the_servers_prefill_time_is_the_median_over_completed_requests_that_report_it():
@@ -126,6 +129,13 @@ def test_the_servers_prefill_time_is_the_median_over_completed_requests_that_rep
     for record, seconds in zip(records, (0.08, None, 0.05, 0.01)):  # the last one failed
         record.server_prefill_s = seconds
     assert compute_metrics(records, 2.0)["median_server_prefill_ms"] == pytest.approx(65)
+
+
+def test_the_servers_decode_step_is_the_median_over_completed_requests_that_report_it():
+    records = _records()
+    for record, seconds in zip(records, (0.04, 0.03, None, 0.5)):  # the last one failed
+        record.server_decode_step_s = seconds
+    assert compute_metrics(records, 2.0)["median_server_decode_step_ms"] == pytest.approx(35)
 
 
 def test_goodput_counts_completed_requests_meeting_every_slo():
@@ -362,6 +372,10 @@ def test_grpc_benchmark_against_a_live_system(system, tokenizer, tmp_path, capsy
     # (the harness's system prefills every prompt remotely)
     assert all(s is not None and 0 < s < ttft for s, ttft in zip(server_prefill_s, ttfts_s))
     assert 0 < result["median_server_prefill_ms"] < result["median_ttft_ms"]
+    # and the decode worker its mean engine decode step of each (8 tokens: 7 decode steps)
+    steps_s = result["requests"]["server_decode_step_s"]
+    assert all(s is not None and 0 < s for s in steps_s)
+    assert 0 < result["median_server_decode_step_ms"] <= result["p99_itl_ms"]
     printed = capsys.readouterr().out
     assert (
         "============ Serving Benchmark Result ============" in printed
@@ -390,6 +404,7 @@ def test_http_benchmark_against_a_live_system(system, tokenizer, backend, tmp_pa
     report = _check_report(result_file, num_prompts=4, output_len=8)
     assert report["model"]  # found through GET /v1/models
     assert report["results"][0]["median_server_prefill_ms"] is None  # the HTTP APIs do not say
+    assert report["results"][0]["median_server_decode_step_ms"] is None
     input_lens = report["results"][0]["requests"]["input_lens"]
     # the server's count
     assert all(n > 32 if backend == "openai-chat" else abs(n - 32) <= 2 for n in input_lens)

@@ -212,23 +212,31 @@ def test_borrowing_cost_is_fitted_on_the_load_with_lending_on():
     ] == pytest.approx(lone["p50_ttft_ms"])
 
 
-def test_the_servers_own_prefill_time_keeps_a_slower_machine_out_of_the_serving_costs():
+def test_the_servers_own_step_times_keep_a_slower_machine_out_of_the_serving_costs():
     """The probe ran while the machine was 30 % slower than when it was profiled (this VM's speed
-    drifts so): the server's timing of its prefill steps says so, and only what the client saw
-    beyond them is the serving path's; borrowing's share is read from the server's two prefill
-    times."""
+    drifts so): the server's timing of its prefill and decode steps says so, and only what the
+    client saw beyond them is the serving path's; borrowing's share is read from the server's two
+    prefill times."""
     profile = synthetic_profile()
     probed = SystemShape.parse("1p1d@0.5", lend_cores=False)
     lone_sim = simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1))
     batch_sim = simulate(profile, probed, SLO_LOOSE, closed_loop(8, 4))
     one_thread_ms, two_threads_ms = (profile.chunk_s(0, 512, t) * 1e3 for t in (1, 2))
     slower = 1.3
+    # a decode step costs 3 ms beyond the engine's, and 0.5 ms per token of its batch
+    lone_step_ms = slower * lone_sim.tpot_ms["p50"]
+    batch_step_ms = slower * batch_sim.tpot_ms["p50"]
     lone = {
         "p50_ttft_ms": lone_sim.ttft_ms["p50"] + (slower - 1) * one_thread_ms + 40.0,
-        "p50_tpot_ms": lone_sim.tpot_ms["p50"],
+        "p50_tpot_ms": lone_step_ms + 3.5,
         "median_server_prefill_ms": slower * one_thread_ms,
+        "median_server_decode_step_ms": lone_step_ms,
     }
-    batch = {"p50_ttft_ms": batch_sim.ttft_ms["p50"], "p50_tpot_ms": batch_sim.tpot_ms["p50"]}
+    batch = {
+        "p50_ttft_ms": batch_sim.ttft_ms["p50"],
+        "p50_tpot_ms": batch_step_ms + 3 + 4 * 0.5,
+        "median_server_decode_step_ms": batch_step_ms,
+    }
     lent = {
         "p50_ttft_ms": 0.0,  # the fit reads the server's times instead
         "p50_tpot_ms": lone_sim.tpot_ms["p50"],
@@ -236,10 +244,18 @@ def test_the_servers_own_prefill_time_keeps_a_slower_machine_out_of_the_serving_
     }
     serving = fit(profile, lone, batch, 5, 4, lent)
     assert serving.request_s == pytest.approx(0.040, abs=1e-3)
+    assert (serving.step_s, serving.token_s) == pytest.approx((0.003, 0.0005), abs=1e-6)
     assert serving.borrow_prefill_share == pytest.approx(0.25, rel=1e-6)
-    # without the server's times the slower spell lands in the per-request cost
-    client_only = fit(profile, {k: v for k, v in lone.items() if "server" not in k}, batch, 5, 4)
+    # without the server's times the slower spell lands in the per-request and per-step costs
+    client_only = fit(
+        profile,
+        {k: v for k, v in lone.items() if "server" not in k},
+        {k: v for k, v in batch.items() if "server" not in k},
+        5,
+        4,
+    )
     assert client_only.request_s == pytest.approx(0.040 + 0.3 * one_thread_ms / 1e3, abs=1e-3)
+    assert client_only.step_s > 0.003 + 0.2 * lone_sim.tpot_ms["p50"] / 1e3
 
 
 def test_a_chunk_after_cached_context_is_read_from_its_own_points():

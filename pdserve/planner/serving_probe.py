@@ -12,8 +12,10 @@ on the cores the workers compute on; and a step on cores borrowed from another w
 The simulator runs the same loads on the profile, and what it misses is fitted:
   request_s = TTFT_A - the server's prefill time of A's requests (`pdserve bench`'s
   median_server_prefill_ms: the engine as fast as it was then, not as the profile found it minutes
-  before) - what the simulator adds to the profile's prefill;  step_s + b x token_s = TPOT - sim
-  TPOT, at b = 1 (A) and b = concurrency (B); then borrow_prefill_share = the server's prefill time
+  before) - what the simulator adds to the profile's prefill;  step_s + b x token_s = TPOT - the
+  decode worker's own mean engine step for the same requests (`median_server_decode_step_ms`; the
+  simulator's TPOT on the profile where the server reports none), at b = 1 (A) and b = concurrency
+  (B); then borrow_prefill_share = the server's prefill time
   in C / its time in A x the engine's 1-thread / 2-thread prefill time - 1 (a share of the step: the
   cost grows with it; measured on an AVX2 EPYC, a flat cost fitted on a 512-token prompt put the
   conversations' short later turns 2-3x too slow), and borrow_decode_s = TPOT_C - sim TPOT_C, the
@@ -98,8 +100,11 @@ def fit(
     request_s = max(
         0.0, (lone["p50_ttft_ms"] - lone_prefill_ms - sim_lone.ttft_ms["p50"] + prefill_1_ms) / 1e3
     )
-    lone_extra_s = (lone["p50_tpot_ms"] - sim_lone.tpot_ms["p50"]) / 1e3
-    batch_extra_s = (batch["p50_tpot_ms"] - sim_batch.tpot_ms["p50"]) / 1e3
+    # Likewise the decode steps: the client's TPOT less the decode worker's own engine steps of the
+    # same requests (2026-12-04, AVX2 EPYC: a lone TPOT of 52.9 ms against the profile's 40.3 ms
+    # step of minutes before fitted 10.4 ms per step, which runs 20 minutes later did not pay)
+    lone_extra_s = (lone["p50_tpot_ms"] - _decode_step_ms(lone, sim_lone)) / 1e3
+    batch_extra_s = (batch["p50_tpot_ms"] - _decode_step_ms(batch, sim_batch)) / 1e3
     token_s = max(0.0, (batch_extra_s - lone_extra_s) / (concurrency - 1))
     step_s = max(0.0, lone_extra_s - token_s)
     fitted_from = {
@@ -134,6 +139,13 @@ def fit(
     )
 
 
+def _decode_step_ms(measured: dict, simulated) -> float:
+    """The engine's decode step under a load: as the server timed it, else the simulator's TPOT on
+    the profile (its engine steps alone)."""
+    served_ms = measured.get("median_server_decode_step_ms")
+    return served_ms if served_ms else simulated.tpot_ms["p50"]
+
+
 def closed_loop(requests: int, concurrency: int):
     """`requests` of 512/128 sent `concurrency` at a time, each slot's next as the one before ends
     (`pdserve bench --request-rate inf --max-concurrency C`), for the simulator."""
@@ -160,6 +172,7 @@ def _figures(measured: dict, simulated, requests: int) -> dict:
         "engine_only_ttft_p50_ms": simulated.ttft_ms["p50"],
         "engine_only_tpot_p50_ms": simulated.tpot_ms["p50"],
         "server_prefill_p50_ms": measured.get("median_server_prefill_ms"),
+        "server_decode_step_p50_ms": measured.get("median_server_decode_step_ms"),
     }
 
 
