@@ -52,6 +52,39 @@ def test_serving_costs_fitted_reproduce_the_loads_they_were_fitted_on():
     assert again.tpot_ms["p50"] == pytest.approx(batch["p50_tpot_ms"], rel=0.05)
 
 
+def test_engine_steps_as_the_server_ran_them_are_fitted_as_shares_of_the_profiles():
+    """The server times its lone prefill steps 15 % and its decode steps 8 % over the profile's
+    (the machine slower minutes later, or serving's own cost): the simulator runs every engine step
+    so, and the lone TTFT and TPOT come back; the per-request and per-step costs are what the
+    client saw beyond the server's steps."""
+    profile = synthetic_profile()
+    probed = SystemShape.parse("1p1d@0.5", lend_cores=False)
+    engine_lone = simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1))
+    engine_batch = simulate(profile, probed, SLO_LOOSE, closed_loop(8, 4))
+    one_thread_ms = profile.chunk_s(0, 512, 1) * 1e3
+    lone_step_ms = 1.08 * engine_lone.tpot_ms["p50"]
+    lone = {
+        "p50_ttft_ms": engine_lone.ttft_ms["p50"] + 0.15 * one_thread_ms + 20.0,
+        "p50_tpot_ms": lone_step_ms + 2.0,
+        "median_server_prefill_ms": 1.15 * one_thread_ms,
+        "median_server_decode_step_ms": lone_step_ms,
+    }
+    batch_step_ms = 1.08 * engine_batch.tpot_ms["p50"]
+    batch = {
+        "p50_ttft_ms": engine_batch.ttft_ms["p50"],
+        "p50_tpot_ms": batch_step_ms + 2.0,
+        "median_server_decode_step_ms": batch_step_ms,
+    }
+    serving = fit(profile, lone, batch, 5, 4, engine_beside_ms=1.1 * one_thread_ms)
+    assert (serving.prefill_share, serving.decode_share) == pytest.approx((0.15, 0.08))
+    assert serving.request_s == pytest.approx(0.020, abs=1e-3)
+    assert (serving.step_s, serving.token_s) == pytest.approx((0.002, 0.0), abs=1e-6)
+    assert serving.fitted_from["engine_prefill_ms_beside"] == pytest.approx(1.1 * one_thread_ms)
+    again = simulate(profile.with_serving(serving), probed, SLO_LOOSE, closed_loop(5, 1))
+    assert again.ttft_ms["p50"] == pytest.approx(lone["p50_ttft_ms"], rel=0.01)
+    assert again.tpot_ms["p50"] == pytest.approx(lone["p50_tpot_ms"], rel=0.01)
+
+
 def test_serving_costs_round_trip_and_an_old_profile_reads_without_them(tmp_path):
     profile = synthetic_profile().with_serving(ServingCosts(0.05, 0.004, 0.0002, {"k": 1}))
     path = tmp_path / "p.json"
@@ -214,9 +247,9 @@ def test_borrowing_cost_is_fitted_on_the_load_with_lending_on():
 
 def test_the_servers_own_step_times_keep_a_slower_machine_out_of_the_serving_costs():
     """The probe ran while the machine was 30 % slower than when it was profiled (this VM's speed
-    drifts so): the server's timing of its prefill and decode steps says so, and only what the
-    client saw beyond them is the serving path's; borrowing's share is read from the server's two
-    prefill times."""
+    drifts so): the server's timing of its prefill and decode steps says so, the engine's steps are
+    charged as the server ran them, and only what the client saw beyond them is the serving path's;
+    borrowing's share is read from the server's two prefill times."""
     profile = synthetic_profile()
     probed = SystemShape.parse("1p1d@0.5", lend_cores=False)
     lone_sim = simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1))
@@ -245,6 +278,7 @@ def test_the_servers_own_step_times_keep_a_slower_machine_out_of_the_serving_cos
     serving = fit(profile, lone, batch, 5, 4, lent)
     assert serving.request_s == pytest.approx(0.040, abs=1e-3)
     assert (serving.step_s, serving.token_s) == pytest.approx((0.003, 0.0005), abs=1e-6)
+    assert (serving.prefill_share, serving.decode_share) == pytest.approx((0.3, 0.3))
     assert serving.borrow_prefill_share == pytest.approx(0.25, rel=1e-6)
     # without the server's times the slower spell lands in the per-request and per-step costs
     client_only = fit(

@@ -152,7 +152,9 @@ def _profile(args: argparse.Namespace) -> int:
 
         serving = measure_serving(profile, log=log)
         log(
-            f"serving path: {serving.request_s * 1e3:.1f} ms per request, decode step "
+            f"engine steps as served: prefill {serving.prefill_share:+.1%}, decode "
+            f"{serving.decode_share:+.1%}; serving path: {serving.request_s * 1e3:.1f} ms per "
+            f"request, a decode step "
             f"+{serving.step_s * 1e3:.2f} ms + {serving.token_s * 1e3:.2f} ms per token; "
             f"on borrowed cores a prefill step +{serving.borrow_prefill_share:.1%} of its engine "
             f"time, a decode step +{serving.borrow_decode_s * 1e3:.1f} ms"

@@ -69,6 +69,13 @@ class ServingCosts:
     borrow_prefill_s: float = 0.0
     borrow_decode_s: float = 0.0
     borrow_prefill_share: float = 0.0
+    # the engine's steps as the serving system ran them in the probe against the profile's, as a
+    # share beyond them: the prefill worker's own timing of its lone prefill steps against the
+    # profile's prefill, the decode worker's of its steps against the profile's decode steps (the
+    # machine's speed then, minutes after the profile, and anything serving adds to a step; since
+    # the second session of 2026-12-04, before none)
+    prefill_share: float = 0.0
+    decode_share: float = 0.0
 
     def decode_step_s(self, batch_size: int) -> float:
         return self.step_s + batch_size * self.token_s

@@ -16,7 +16,13 @@ The simulator runs the same loads on the profile, and what it misses is fitted:
   decode worker's own mean engine step for the same requests (`median_server_decode_step_ms`; the
   simulator's TPOT on the profile where the server reports none), at b = 1 (A) and b = concurrency
   (B); then borrow_prefill_share = the server's prefill time
-  in C / its time in A x the engine's 1-thread / 2-thread prefill time - 1 (a share of the step: the
+  in C / its time in A x the engine's 1-thread / 2-thread prefill time - 1; and the engine's steps
+  as the servers ran them against the profile's: prefill_share = the server's prefill time in A /
+  the profile's - 1, decode_share = the server's decode step in A / the simulator's TPOT of A on
+  the profile - 1 (this VM ran 4-15 % slower in the probe than in the profile minutes before, and a
+  system under sustained load runs as the probe found it). The engine's own prefill, timed in this
+  process just before and after the servers, is recorded beside them: it tells the machine's speed
+  from what serving adds (nothing measurable on an AVX2 EPYC, 2026-12-04) (a share of the step: the
   cost grows with it; measured on an AVX2 EPYC, a flat cost fitted on a 512-token prompt put the
   conversations' short later turns 2-3x too slow), and borrow_decode_s = TPOT_C - sim TPOT_C, the
   costs above included. Figures without the server's times (other backends) fit TTFT against the
@@ -30,6 +36,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +58,9 @@ def measure_serving(
     lone_requests: int = 5,
     log: Callable[[str], None] = lambda line: None,
 ) -> ServingCosts:
+    dtype = profile.machine.get("dtype", "auto")
+    before_ms = engine_prefill_ms(dtype)
+    log(f"serving probe: the engine alone prefills {PROMPT_TOKENS} tokens in {before_ms:.1f} ms")
     with _Server(profile, lend_cores="off") as port:
         log(f"serving probe: pdserve serve --prefill 1 --decode 1 --lend-cores off, port {port}")
         lone = _bench(port, lone_requests, 1, seed=5)
@@ -67,7 +77,43 @@ def measure_serving(
             f"  one at a time: TTFT p50 {lent['p50_ttft_ms']:.1f}, "
             f"TPOT p50 {lent['p50_tpot_ms']:.1f} ms"
         )
-    return fit(profile, lone, batch, lone_requests, concurrency, lent)
+    after_ms = engine_prefill_ms(dtype)
+    log(f"serving probe: the engine alone again: {after_ms:.1f} ms")
+    return fit(profile, lone, batch, lone_requests, concurrency, lent, (before_ms + after_ms) / 2)
+
+
+def engine_prefill_ms(dtype: str, repeats: int = 3) -> float:
+    """The engine's one-thread prefill of a fresh 512-token prompt in this process (median of
+    `repeats` after a warm-up): the probe's reference for what serving adds to a prefill step,
+    timed beside the servers rather than minutes before with the profile."""
+    import torch
+
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.planner.profiler import _kv_bytes, _prefill_once
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(
+            EngineConfig(
+                model="default",
+                dtype=dtype,
+                num_threads=1,
+                detokenize=False,
+                kv_cache_bytes=_kv_bytes(2 * PROMPT_TOKENS),
+            )
+        )
+        generator = torch.Generator().manual_seed(1)
+        vocab = engine.model_config.vocab_size
+
+        def once() -> float:
+            prompt = torch.randint(100, vocab - 1, (PROMPT_TOKENS,), generator=generator)
+            return _prefill_once(engine, prompt.tolist())
+
+        once()
+        return 1e3 * statistics.median(once() for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def fit(
@@ -77,10 +123,12 @@ def fit(
     lone_requests: int,
     concurrency: int,
     lent: Optional[dict] = None,
+    engine_beside_ms: Optional[float] = None,
 ) -> ServingCosts:
     """`ServingCosts` from the loads' measured figures (`pdserve bench` result keys, ms): `lone` and
     `batch` with lending off fit the serving path; `lent`, one at a time with lending on (each step
-    then runs on the other worker's idle core too), the cost of a step on borrowed cores."""
+    then runs on the other worker's idle core too), the cost of a step on borrowed cores;
+    `engine_beside_ms`, the engine's 512-token prefill timed beside the loads, for the record."""
     from pdserve.planner.shape import SystemShape
     from pdserve.planner.simulator import simulate
     from router.slo import SLO
@@ -97,6 +145,8 @@ def fit(
     # 1668 ms: 33 ms per request, not 260).
     served_lone_ms = lone.get("median_server_prefill_ms")
     lone_prefill_ms = served_lone_ms or prefill_1_ms
+    # ... and every prefill step runs as fast as the server ran it, not as the profile found it
+    prefill_share = served_lone_ms / prefill_1_ms - 1 if served_lone_ms else 0.0
     request_s = max(
         0.0, (lone["p50_ttft_ms"] - lone_prefill_ms - sim_lone.ttft_ms["p50"] + prefill_1_ms) / 1e3
     )
@@ -104,6 +154,7 @@ def fit(
     # same requests (2026-12-04, AVX2 EPYC: a lone TPOT of 52.9 ms against the profile's 40.3 ms
     # step of minutes before fitted 10.4 ms per step, which runs 20 minutes later did not pay)
     lone_extra_s = (lone["p50_tpot_ms"] - _decode_step_ms(lone, sim_lone)) / 1e3
+    decode_share = _decode_step_ms(lone, sim_lone) / sim_lone.tpot_ms["p50"] - 1
     batch_extra_s = (batch["p50_tpot_ms"] - _decode_step_ms(batch, sim_batch)) / 1e3
     token_s = max(0.0, (batch_extra_s - lone_extra_s) / (concurrency - 1))
     step_s = max(0.0, lone_extra_s - token_s)
@@ -112,8 +163,16 @@ def fit(
         "workload": f"{PROMPT_TOKENS} in / {OUTPUT_TOKENS} out, ignore-eos",
         "lend_cores_off_one_at_a_time": _figures(lone, sim_lone, lone_requests),
         f"lend_cores_off_{concurrency}_at_a_time": _figures(batch, sim_batch, 2 * concurrency),
+        "engine_prefill_ms_beside": engine_beside_ms,
     }
-    serving = ServingCosts(request_s, step_s, token_s, fitted_from)
+    serving = ServingCosts(
+        request_s,
+        step_s,
+        token_s,
+        fitted_from,
+        prefill_share=prefill_share,
+        decode_share=decode_share,
+    )
     if lent is None:
         return serving
     sim_lent = simulate(

@@ -18,12 +18,14 @@ What it models, and whose code decides:
   a thread to a core, so where workers share home cores, as fractional CPUs do, the OS divides the
   node's cores among the busy ones); a step borrows the home cores of idle workers of its node,
   and a prefill step the cores of a worker that is only decoding, for the slack its streams have
-  against the SLO's TPOT (the engine loop's formula), at most `CorePolicy.max_pause_tpot` budgets:
-  that worker's next step waits meanwhile.
-- the serving path (`Profile.serving`, fitted on a running system): a fixed cost per request before
-  placement (the router, Ray calls, the first token's way back), per decode step a fixed cost plus
-  one per token streamed (the stream item, the router's and client's work on the same cores), and a
-  fixed cost for a step run on borrowed cores (taking them, torch's thread count changed and back);
+  against the SLO's TPOT (the engine loop's formula), at most `CorePolicy.max_pause_tpot` budgets
+  at a time and again after each of that worker's decode steps while the slack lasts.
+- the serving path (`Profile.serving`, fitted on a running system): engine steps as the servers ran
+  them in the probe (`prefill_share`, `decode_share` beyond the profile's), a fixed cost per
+  request before placement (the router, Ray calls, the first token's way back), per decode step a
+  fixed cost plus one per token streamed (the stream item, the router's and client's work on the
+  same cores), and a fixed cost for a step run on borrowed cores (taking them, torch's thread count
+  changed and back);
 - conversations: a later turn is sent its think time after the reply before it ends.
 - KV capacity (`Profile.kv_capacity_tokens` per decode worker): a request's prompt and output blocks
   are reserved on its decode worker at placement; without room the router holds it, first come first
@@ -314,12 +316,17 @@ class Simulation:
                 self.profile.chunk_s(s.computed_tokens, s.computed_tokens + n, threads)
                 for s, n in chunks
             )
+            if serving is None:
+                return compute_s
+            compute_s *= 1 + serving.prefill_share
             if not borrowed:
                 return compute_s
             return serving.borrow_prefill_s + compute_s * (1 + serving.borrow_prefill_share)
         context = sum(s.context_tokens for s, _ in chunks) / len(chunks)
         step_s = self.profile.decode_step_s(len(chunks), context, threads)
-        return step_s + (serving.borrow_decode_s if borrowed else 0.0)
+        if serving is None:
+            return step_s
+        return step_s * (1 + serving.decode_share) + (serving.borrow_decode_s if borrowed else 0.0)
 
     def _duration_s(self, worker: _Worker, is_prefill: bool, chunks) -> float:
         node = [w for w in self.prefill + self.decode if w.node == worker.node and w is not worker]
@@ -338,17 +345,42 @@ class Simulation:
                 continue
             wait_s = max(0.0, (owner.busy_until_s or self.now_s) - self.now_s)
             slack_s = self._slack_s(owner, self.now_s + wait_s)
-            pause_s = min(slack_s, self.policy.max_pause_tpot * self.slo.tpot_s)
-            if pause_s <= 0.005 or wait_s >= base_s:
+            if slack_s <= 0.005 or wait_s >= base_s:
                 continue
             fast_s = self._step_s(worker, is_prefill, chunks, threads + len(owner.home))
-            left = 1.0 - wait_s / base_s  # of the step's work, when the owner's step ends
-            if left * fast_s <= pause_s:
-                owner.paused_until_s = self.now_s + wait_s + left * fast_s
-                return wait_s + left * fast_s
-            owner.paused_until_s = self.now_s + wait_s + pause_s
-            return wait_s + pause_s + (left - pause_s / fast_s) * base_s
+            return self._lent_s(owner, base_s, fast_s, wait_s, slack_s)
         return base_s
+
+    def _lent_s(
+        self, owner: _Worker, base_s: float, fast_s: float, wait_s: float, slack_s: float
+    ) -> float:
+        """A prefill step of `base_s` on its home cores (`fast_s` with the owner's too) that asks a
+        decoding owner for its cores, as runtime/cores.py runs it: on its home cores until the
+        owner's step ends (`wait_s`); then the owner lends them for at most `max_pause_tpot` TPOT
+        budgets, takes them back for one decode step, and lends them again while its streams'
+        slack lasts (each pause spends as much of it), until the step is done. The owner stays
+        paused until its last pause ends (its decode steps between pauses are left out: a few tens
+        of milliseconds a prompt)."""
+        max_pause_s = self.policy.max_pause_tpot * self.slo.tpot_s
+        owner_step_s = owner.decode_steps_s / owner.decode_steps
+        left = 1.0 - wait_s / base_s  # of the step's work, when the owner's step ends
+        elapsed_s = wait_s
+        while left > 0:
+            pause_s = min(slack_s, max_pause_s)
+            if pause_s <= 0.005:
+                break
+            if left * fast_s <= pause_s:
+                elapsed_s += left * fast_s
+                left = 0.0
+            else:
+                elapsed_s += pause_s
+                left -= pause_s / fast_s
+                slack_s -= pause_s
+            owner.paused_until_s = self.now_s + elapsed_s
+            between_s = min(owner_step_s, left * base_s)  # the owner's step, on its own cores
+            elapsed_s += between_s
+            left -= between_s / base_s
+        return elapsed_s + left * base_s
 
     def _slack_s(self, owner: _Worker, now_s: float) -> float:
         """The engine loop's slack (`runtime.cores.decode_slack_s`) for the owner's running streams;
