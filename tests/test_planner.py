@@ -107,6 +107,30 @@ def test_workers_sharing_cores_divide_them_while_both_are_busy():
     assert report.ttft_ms["p99"] == pytest.approx(1548, abs=1)
 
 
+def test_a_decoding_worker_lends_its_cores_again_after_each_step_while_it_has_slack():
+    """1P+1D, one long stream decoding (5.5 ms steps on both cores while the prefill worker idles;
+    TPOT budget 50 ms: seconds of slack) when a 2048-token prompt arrives (2.048 s on one core,
+    1.024 on two): the prefill waits on its own core for the decode step under way (4.5 ms), then
+    the decode worker lends its core for at most 4 x 50 ms at a time and takes it back for one step
+    (during which the prompt goes on on one core), five times, and the last 8 ms: 1.040 s. Lent
+    once only, the rest on one core, it would take 1.85 s."""
+    from pdserve.planner.simulator import Simulation
+
+    profile = synthetic_profile()
+    requests = [
+        Request(0.0, 16, 2000, 0, previous_tokens=0),
+        Request(1.0, 2048, 1, 1, previous_tokens=0),
+    ]
+    simulation = Simulation(profile, SystemShape.parse("1p1d@0.5/remote"), SLO_FAST)
+    simulation.run(requests)
+    prompt = simulation.streams[1]
+    wait_s, step_s, pause_s = 0.0045, 0.0055, 0.2
+    left = 1 - wait_s / 2.048 - 5 * (pause_s / 1.024 + step_s / 2.048)
+    expected_s = wait_s + 5 * (pause_s + step_s) + left * 1.024
+    assert prompt.token_times_s[0] - prompt.arrival_s == pytest.approx(expected_s, abs=1e-6)
+    assert expected_s == pytest.approx(1.040, abs=1e-3)
+
+
 def test_plan_finds_the_known_cheapest_shape():
     """Prefill 0.25 s per 512-token prompt and cheap decode steps, 6 req/s, TTFT <= 2 s: one prefill
     worker cannot keep up (rho 1.5), two can (rho 0.75), and one decode worker suffices:
