@@ -110,7 +110,7 @@ class DecodeWorker(ParkingEndpoints):
         self.receiver.before_payload = lambda request_id: self.parking.hold("transfer", request_id)
         self.loop = EngineLoop(
             self.engine,
-            hooks=(self._poll_receiver,),
+            hooks=(self._poll_receiver, self._forget_gone_decodes),
             on_output=self._on_output,
             cores=share_cores(self.engine, cores),
         )
@@ -382,19 +382,27 @@ class DecodeWorker(ParkingEndpoints):
         before, and for a request that never decoded here."""
         loop = self.loop
         if not self.engine.last_step_was_prefill:
+            # its first decoded token: the counters before this step
             self._decode_from.setdefault(
                 output.request_id, (loop.decode_steps - 1, loop.decode_steps_s - loop.last_step_s)
             )
         if not output.finished:
             return None
         started = self._decode_from.pop(output.request_id, None)
-        # requests failed by an engine step that raised never finish here: drop what they left
-        running = {sequence.request_id for sequence in self.engine.scheduler.running}
-        for request_id in [r for r in self._decode_from if r not in running]:
-            del self._decode_from[request_id]
         if started is None or loop.decode_steps <= started[0]:
             return None
         return (loop.decode_steps_s - started[1]) / (loop.decode_steps - started[0])
+
+    def _forget_gone_decodes(self) -> None:
+        """Drops the decode-step starts of requests the engine no longer holds that never finished
+        here (an engine step that raised fails its requests without an output). A loop hook: no
+        step's outputs are half handled then."""
+        scheduler = self.engine.scheduler
+        if len(self._decode_from) <= len(scheduler.running) + len(scheduler.waiting):
+            return
+        held = {s.request_id for s in scheduler.running} | {s.request_id for s in scheduler.waiting}
+        for request_id in [r for r in self._decode_from if r not in held]:
+            del self._decode_from[request_id]
 
     def _first_chunk_kv_ready_wall_s(self, request_id: str) -> Optional[float]:
         """When the request's KV became ready, on its first decoded chunk (its handoff ends

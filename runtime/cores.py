@@ -59,6 +59,8 @@ _REGISTRY_REFRESH_S = 1.0
 # Lending within the TPOT budget counts on a stream running this many more tokens at most (or to its
 # max_tokens): one that stops sooner, at EOS, can end a little over the budget
 SLACK_HORIZON_TOKENS = 64
+# a pause shorter than this is not worth taking the cores (the planner's simulator reads it too)
+MIN_PAUSE_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,7 @@ class CoreShare:
         if budget_s is None or not self._holding_home or self._missing or self._home_shared:
             return 0.0
         pause_s = min(slack_s, self.policy.max_pause_tpot * budget_s)
-        if pause_s <= 0.005 or not self.asked():
+        if pause_s <= MIN_PAUSE_S or not self.asked():
             return 0.0
         started = time.monotonic()
         self.idle()

@@ -108,12 +108,13 @@ def test_workers_sharing_cores_divide_them_while_both_are_busy():
 
 
 def test_a_decoding_worker_lends_its_cores_again_after_each_step_while_it_has_slack():
-    """1P+1D, one long stream decoding (5.5 ms steps on both cores while the prefill worker idles;
-    TPOT budget 50 ms: seconds of slack) when a 2048-token prompt arrives (2.048 s on one core,
-    1.024 on two): the prefill waits on its own core for the decode step under way (4.5 ms), then
-    the decode worker lends its core for at most 4 x 50 ms at a time and takes it back for one step
-    (during which the prompt goes on on one core), five times, and the last 8 ms: 1.040 s. Lent
-    once only, the rest on one core, it would take 1.85 s."""
+    """1P+1D, one long stream decoding (TPOT budget 50 ms: seconds of slack) when a 2048-token
+    prompt arrives (2.048 s on one core, 1.024 on two): the prefill waits on its own core for the
+    decode step under way (4.5 ms: the decode worker borrowed the idle prefill core), then the
+    decode worker lends its core for at most 4 x 50 ms at a time and takes it back for one step on
+    its own core (11 ms, the prompt going on on one core meanwhile), four times, and the prompt
+    ends within the fifth pause: 1.048 s. Lent once only, the rest on one core, it took 1.85 s. The
+    stream's next token comes after the last pause and one step."""
     from pdserve.planner.simulator import Simulation
 
     profile = synthetic_profile()
@@ -123,12 +124,34 @@ def test_a_decoding_worker_lends_its_cores_again_after_each_step_while_it_has_sl
     ]
     simulation = Simulation(profile, SystemShape.parse("1p1d@0.5/remote"), SLO_FAST)
     simulation.run(requests)
-    prompt = simulation.streams[1]
-    wait_s, step_s, pause_s = 0.0045, 0.0055, 0.2
-    left = 1 - wait_s / 2.048 - 5 * (pause_s / 1.024 + step_s / 2.048)
-    expected_s = wait_s + 5 * (pause_s + step_s) + left * 1.024
+    stream, prompt = simulation.streams
+    wait_s, step_s, pause_s = 0.0045, 0.011, 0.2
+    left = 1 - wait_s / 2.048 - 4 * (pause_s / 1.024 + step_s / 2.048)
+    expected_s = wait_s + 4 * (pause_s + step_s) + left * 1.024
     assert prompt.token_times_s[0] - prompt.arrival_s == pytest.approx(expected_s, abs=1e-6)
-    assert expected_s == pytest.approx(1.040, abs=1e-3)
+    assert expected_s == pytest.approx(1.048, abs=1e-3)
+    after = [t for t in stream.token_times_s if t > prompt.token_times_s[0] - 1e-9]
+    assert after[0] - prompt.token_times_s[0] < 0.011 + 1e-6  # no second pause: it has decoded
+
+
+def test_a_lending_worker_resumes_when_its_slack_is_spent():
+    """The same with a TPOT budget of 8 ms: the stream's slack is spent in ~0.1 s of lending, and
+    the decode worker decodes again then, while the prompt goes on on one core: no gap in its
+    stream near the prompt's 1.9 s."""
+    from pdserve.planner.simulator import Simulation
+
+    requests = [
+        Request(0.0, 16, 2000, 0, previous_tokens=0),
+        Request(1.0, 2048, 1, 1, previous_tokens=0),
+    ]
+    simulation = Simulation(
+        synthetic_profile(), SystemShape.parse("1p1d@0.5/remote"), SLO.parse("ttft:9000,tpot:8")
+    )
+    simulation.run(requests)
+    stream, prompt = simulation.streams
+    assert prompt.token_times_s[0] - prompt.arrival_s > 1.5  # mostly on one core
+    gaps = [b - a for a, b in zip(stream.token_times_s, stream.token_times_s[1:])]
+    assert 0.05 < max(gaps) < 0.2
 
 
 def test_plan_finds_the_known_cheapest_shape():

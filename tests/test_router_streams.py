@@ -166,6 +166,7 @@ def test_token_chunks_cross_the_wire_with_every_field():
         TokenChunk("a", (1, 2), "stop", None, 1.5, 4),
         TokenChunk("b", (), None, "KV transfer failed: x"),
         TokenChunk("c", (3,)),
+        TokenChunk("d", (4,), "length", decode_step_s=0.041),
     ]
     assert decode_chunks(encode_chunks(chunks)) == (chunks, [])
     events = [(True, b"\x01" * 16), (False, b"\x02" * 16)]
@@ -290,3 +291,36 @@ def test_a_steps_messages_are_all_prepared_before_the_first_is_written(token_ser
         return log
 
     assert asyncio.run(run()) == [("prepared", r) for r in "abc"] + [("written", r) for r in "abc"]
+
+
+def test_a_requests_last_chunk_carries_the_mean_of_its_own_decode_steps():
+    """The decode worker's `_decode_step_s` on a stub loop: a request's mean engine decode step from
+    its first decoded token on, whoever else finishes in the same step (they leave `running` before
+    any output is handled); the loop hook forgets requests the engine no longer holds."""
+    from decode_worker.worker import DecodeWorker
+
+    loop = SimpleNamespace(decode_steps=0, decode_steps_s=0.0, last_step_s=0.0)
+    scheduler = SimpleNamespace(running=[], waiting=[])
+    engine = SimpleNamespace(last_step_was_prefill=False, scheduler=scheduler)
+    worker = SimpleNamespace(loop=loop, engine=engine, _decode_from={})
+
+    def step(seconds, outputs):
+        loop.decode_steps += 1
+        loop.decode_steps_s += seconds
+        loop.last_step_s = seconds
+        return [
+            DecodeWorker._decode_step_s(worker, SimpleNamespace(request_id=r, finished=done))
+            for r, done in outputs
+        ]
+
+    assert step(0.010, [("a", False), ("b", False)]) == [None, None]
+    assert step(0.020, [("a", False), ("b", False), ("c", False)]) == [None] * 3
+    assert step(0.030, [("a", True), ("b", True), ("c", True)]) == pytest.approx(
+        [0.020, 0.020, 0.025]
+    )
+    assert step(0.040, [("d", True)]) == pytest.approx([0.040])  # one decode step only
+    assert worker._decode_from == {}
+    step(0.010, [("e", False), ("f", False)])
+    scheduler.running = [SimpleNamespace(request_id="e")]  # f failed with an engine step
+    DecodeWorker._forget_gone_decodes(worker)
+    assert set(worker._decode_from) == {"e"}

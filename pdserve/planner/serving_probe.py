@@ -10,23 +10,23 @@ on the cores the workers compute on; and a step on cores borrowed from another w
   so what is left is the serving path alone): A, one request at a time; B, `concurrency` at a time;
 - with lending on: C, one request at a time, so each step runs on the other worker's idle core too.
 The simulator runs the same loads on the profile, and what it misses is fitted:
-  request_s = TTFT_A - the server's prefill time of A's requests (`pdserve bench`'s
-  median_server_prefill_ms: the engine as fast as it was then, not as the profile found it minutes
-  before) - what the simulator adds to the profile's prefill;  step_s + b x token_s = TPOT - the
-  decode worker's own mean engine step for the same requests (`median_server_decode_step_ms`; the
-  simulator's TPOT on the profile where the server reports none), at b = 1 (A) and b = concurrency
-  (B); then borrow_prefill_share = the server's prefill time
-  in C / its time in A x the engine's 1-thread / 2-thread prefill time - 1; and the engine's steps
-  as the servers ran them against the profile's: prefill_share = the server's prefill time in A /
-  the profile's - 1, decode_share = the server's decode step in A / the simulator's TPOT of A on
-  the profile - 1 (this VM ran 4-15 % slower in the probe than in the profile minutes before, and a
-  system under sustained load runs as the probe found it). The engine's own prefill, timed in this
-  process just before and after the servers, is recorded beside them: it tells the machine's speed
-  from what serving adds (nothing measurable on an AVX2 EPYC, 2026-12-04) (a share of the step: the
-  cost grows with it; measured on an AVX2 EPYC, a flat cost fitted on a 512-token prompt put the
-  conversations' short later turns 2-3x too slow), and borrow_decode_s = TPOT_C - sim TPOT_C, the
-  costs above included. Figures without the server's times (other backends) fit TTFT against the
-  simulator's alone.
+- the engine's steps as the servers ran them, against the profile's: prefill_share = the server's
+  prefill time in A (`pdserve bench`'s median_server_prefill_ms) / the profile's - 1, decode_share =
+  the decode worker's mean step in A (median_server_decode_step_ms) / the simulator's TPOT of A on
+  the profile - 1; every engine step is charged so (this VM ran 4-15 % slower in the probe than in
+  the profile's first minutes, and a system under sustained load runs as the probe found it). The
+  engine's own prefill, timed in this process just before and after the servers, is recorded
+  beside them: it tells the machine's speed from what serving adds to a step (nothing measurable on
+  an AVX2 EPYC, 2026-12-04);
+- request_s = TTFT_A - the server's prefill time of A's requests - what the simulator adds to the
+  profile's prefill;
+- step_s + b x token_s = TPOT - the simulator's TPOT with its decode steps as the server ran them,
+  at b = 1 (A) and b = concurrency (B);
+- borrow_prefill_share = the server's prefill time in C / its time in A x the engine's 1-thread /
+  2-thread prefill time - 1 (a share of the step: the cost grows with it; measured on an AVX2
+  EPYC, a flat cost fitted on a 512-token prompt put the conversations' short later turns 2-3x too
+  slow), and borrow_decode_s = TPOT_C - sim TPOT_C, the costs above included.
+Figures without the server's times (other backends) fit TTFT and TPOT against the simulator's alone.
 Loads of one shape, fitted once: the validation runs (other shapes, Poisson rates) check them.
 """
 
@@ -150,12 +150,13 @@ def fit(
     request_s = max(
         0.0, (lone["p50_ttft_ms"] - lone_prefill_ms - sim_lone.ttft_ms["p50"] + prefill_1_ms) / 1e3
     )
-    # Likewise the decode steps: the client's TPOT less the decode worker's own engine steps of the
-    # same requests (2026-12-04, AVX2 EPYC: a lone TPOT of 52.9 ms against the profile's 40.3 ms
-    # step of minutes before fitted 10.4 ms per step, which runs 20 minutes later did not pay)
-    lone_extra_s = (lone["p50_tpot_ms"] - _decode_step_ms(lone, sim_lone)) / 1e3
+    # Likewise the decode steps: every one runs as fast as the server ran A's, and what the client
+    # saw beyond them is the serving path's (2026-12-04, AVX2 EPYC: a lone TPOT of 52.9 ms against
+    # the profile's 40.3 ms step of minutes before fitted 10.4 ms per step, which runs 20 minutes
+    # later did not pay)
     decode_share = _decode_step_ms(lone, sim_lone) / sim_lone.tpot_ms["p50"] - 1
-    batch_extra_s = (batch["p50_tpot_ms"] - _decode_step_ms(batch, sim_batch)) / 1e3
+    lone_extra_s = (lone["p50_tpot_ms"] - sim_lone.tpot_ms["p50"] * (1 + decode_share)) / 1e3
+    batch_extra_s = (batch["p50_tpot_ms"] - sim_batch.tpot_ms["p50"] * (1 + decode_share)) / 1e3
     token_s = max(0.0, (batch_extra_s - lone_extra_s) / (concurrency - 1))
     step_s = max(0.0, lone_extra_s - token_s)
     fitted_from = {

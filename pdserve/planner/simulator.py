@@ -51,7 +51,7 @@ from router.kv_index import PrefixIndex, rank
 from router.pd_policy import decide
 from router.pools import WorkerHandle
 from router.slo import SLO
-from runtime.cores import CorePolicy, StreamProgress, decode_slack_s
+from runtime.cores import MIN_PAUSE_S, CorePolicy, StreamProgress, decode_slack_s
 
 BLOCK_SIZE_TOKENS = 16
 
@@ -345,7 +345,7 @@ class Simulation:
                 continue
             wait_s = max(0.0, (owner.busy_until_s or self.now_s) - self.now_s)
             slack_s = self._slack_s(owner, self.now_s + wait_s)
-            if slack_s <= 0.005 or wait_s >= base_s:
+            if slack_s <= MIN_PAUSE_S or wait_s >= base_s:
                 continue
             fast_s = self._step_s(worker, is_prefill, chunks, threads + len(owner.home))
             return self._lent_s(owner, base_s, fast_s, wait_s, slack_s)
@@ -360,14 +360,18 @@ class Simulation:
         budgets, takes them back for one decode step, and lends them again while its streams'
         slack lasts (each pause spends as much of it), until the step is done. The owner stays
         paused until its last pause ends (its decode steps between pauses are left out: a few tens
-        of milliseconds a prompt)."""
+        of milliseconds a prompt); an event then wakes it."""
         max_pause_s = self.policy.max_pause_tpot * self.slo.tpot_s
-        owner_step_s = owner.decode_steps_s / owner.decode_steps
+        # its step between two pauses, on its own cores (the prefill holds the ones it could borrow)
+        _, batch = self._decode_batch(owner)
+        owner_step_s = self._step_s(owner, False, batch, len(owner.home))
+        if self.profile.serving is not None:
+            owner_step_s += self.profile.serving.decode_step_s(len(batch))
         left = 1.0 - wait_s / base_s  # of the step's work, when the owner's step ends
         elapsed_s = wait_s
         while left > 0:
             pause_s = min(slack_s, max_pause_s)
-            if pause_s <= 0.005:
+            if pause_s <= MIN_PAUSE_S:
                 break
             if left * fast_s <= pause_s:
                 elapsed_s += left * fast_s
@@ -380,7 +384,12 @@ class Simulation:
             between_s = min(owner_step_s, left * base_s)  # the owner's step, on its own cores
             elapsed_s += between_s
             left -= between_s / base_s
+        if owner.paused_until_s > self.now_s:
+            self._at(owner.paused_until_s, self._resume, owner)
         return elapsed_s + left * base_s
+
+    def _resume(self, owner: _Worker) -> None:
+        """A lending owner's pause ends: the run loop starts its next step (nothing else to do)."""
 
     def _slack_s(self, owner: _Worker, now_s: float) -> float:
         """The engine loop's slack (`runtime.cores.decode_slack_s`) for the owner's running streams;
