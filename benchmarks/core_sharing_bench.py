@@ -22,26 +22,11 @@ import time
 def _worker(index: int, kind: str, rounds: int, phase_s: float, count: int, barrier, results):
     import torch
 
-    from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling_params import SamplingParams
-    from pdserve.planner.profiler import _kv_bytes, _prefill_once
+    from pdserve.planner.profiler import prefill_once, timing_engine
 
     torch.set_num_threads(1)
-    engine = LLMEngine(
-        EngineConfig(
-            model="default",
-            num_threads=1,
-            detokenize=False,
-            max_num_batched_tokens=2048,
-            kv_cache_bytes=_kv_bytes(40_000),
-        )
-    )
-    generator = torch.Generator().manual_seed(index)
-    vocab = engine.model_config.vocab_size
-
-    def random_prompt(tokens: int) -> list[int]:
-        return torch.randint(100, vocab - 1, (tokens,), generator=generator).tolist()
-
+    engine, random_prompt = timing_engine("auto", 40_000, seed=index)
     if kind.startswith("decode"):
         params = SamplingParams(max_tokens=1_000_000, temperature=0, ignore_eos=True)
         for sequence in range(int(kind.removeprefix("decode"))):
@@ -53,7 +38,7 @@ def _worker(index: int, kind: str, rounds: int, phase_s: float, count: int, barr
         tokens = int(kind.removeprefix("prefill"))
 
         def step():
-            _prefill_once(engine, random_prompt(tokens))
+            prefill_once(engine, random_prompt(tokens))
 
     for _ in range(3):
         step()

@@ -22,15 +22,22 @@ SLO_LOOSE = SLO.parse("ttft:5000,tpot:500")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _probe_loads(profile):
+    """The probe's shape (--lend-cores off) and the simulator's figures for its two loads on the
+    engine alone: one request at a time (5), four at a time (8)."""
+    probed = SystemShape.parse("1p1d@0.5", lend_cores=False)
+    return (
+        probed,
+        simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1)),
+        simulate(profile, probed, SLO_LOOSE, closed_loop(8, 4)),
+    )
+
+
 def test_serving_costs_fitted_reproduce_the_loads_they_were_fitted_on():
     """Given a lone request's TTFT/TPOT and a batch of 4's TPOT, the fitted costs make the simulator
     predict exactly those figures for those loads, and each cost lands where it belongs."""
     profile = synthetic_profile()
-    probed = SystemShape.parse(
-        "1p1d@0.5", lend_cores=False
-    )  # as the probe serves: --lend-cores off
-    engine_lone = simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1))
-    engine_batch = simulate(profile, probed, SLO_LOOSE, closed_loop(8, 4))
+    probed, engine_lone, engine_batch = _probe_loads(profile)
     lone = {
         "p50_ttft_ms": engine_lone.ttft_ms["p50"] + 40.0,
         "p50_tpot_ms": engine_lone.tpot_ms["p50"] + 5.0,
@@ -58,9 +65,7 @@ def test_engine_steps_as_the_server_ran_them_are_fitted_as_shares_of_the_profile
     so, and the lone TTFT and TPOT come back; the per-request and per-step costs are what the
     client saw beyond the server's steps."""
     profile = synthetic_profile()
-    probed = SystemShape.parse("1p1d@0.5", lend_cores=False)
-    engine_lone = simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1))
-    engine_batch = simulate(profile, probed, SLO_LOOSE, closed_loop(8, 4))
+    probed, engine_lone, engine_batch = _probe_loads(profile)
     one_thread_ms = profile.chunk_s(0, 512, 1) * 1e3
     lone_step_ms = 1.08 * engine_lone.tpot_ms["p50"]
     lone = {
@@ -221,9 +226,7 @@ def test_borrowing_cost_is_fitted_on_the_load_with_lending_on():
     """The lone load with lending on runs every step on both cores; what it takes beyond the
     simulator's figure (with the serving path's costs already in) is the cost of a borrowed step."""
     profile = synthetic_profile()
-    probed = SystemShape.parse("1p1d@0.5", lend_cores=False)
-    lone_sim = simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1))
-    batch_sim = simulate(profile, probed, SLO_LOOSE, closed_loop(8, 4))
+    probed, lone_sim, batch_sim = _probe_loads(profile)
     lone = {"p50_ttft_ms": lone_sim.ttft_ms["p50"], "p50_tpot_ms": lone_sim.tpot_ms["p50"]}
     batch = {"p50_ttft_ms": batch_sim.ttft_ms["p50"], "p50_tpot_ms": batch_sim.tpot_ms["p50"]}
     lent_sim = simulate(profile, SystemShape.parse("1p1d@0.5"), SLO_LOOSE, closed_loop(5, 1))
@@ -256,9 +259,7 @@ def test_the_servers_own_step_times_keep_a_slower_machine_out_of_the_serving_cos
     charged as the server ran them, and only what the client saw beyond them is the serving path's;
     borrowing's share is read from the server's two prefill times."""
     profile = synthetic_profile()
-    probed = SystemShape.parse("1p1d@0.5", lend_cores=False)
-    lone_sim = simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1))
-    batch_sim = simulate(profile, probed, SLO_LOOSE, closed_loop(8, 4))
+    probed, lone_sim, batch_sim = _probe_loads(profile)
     one_thread_ms, two_threads_ms = (profile.chunk_s(0, 512, t) * 1e3 for t in (1, 2))
     slower = 1.3
     # a decode step costs 3 ms beyond the engine's, and 0.5 ms per token of its batch

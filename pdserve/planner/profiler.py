@@ -18,7 +18,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from pdserve.planner.profile import ContextPrefillPoint, DecodePoint, PrefillPoint, Profile
 
@@ -59,33 +59,21 @@ def measure(
 ) -> Profile:
     import torch
 
-    from engine.llm_engine import EngineConfig, LLMEngine
-
     max_decode_tokens = max(grid.batch_sizes) * (max(grid.context_tokens) + 64)
     max_handoff_tokens = 2 * max(grid.handoff_prompt_tokens)
-    engine = LLMEngine(
-        EngineConfig(
-            model="default",
-            dtype=dtype,
-            num_threads=min(grid.threads),
-            detokenize=False,
-            max_num_batched_tokens=max(2048, max(grid.prompt_tokens)),
-            kv_cache_bytes=_kv_bytes(max(max_decode_tokens, max_handoff_tokens)),
-        )
+    engine, random_prompt = timing_engine(
+        dtype,
+        max(max_decode_tokens, max_handoff_tokens),
+        threads=min(grid.threads),
+        max_num_batched_tokens=max(2048, max(grid.prompt_tokens)),
     )
-    generator = torch.Generator().manual_seed(0)
-    vocab = engine.model_config.vocab_size
-
-    def random_prompt(tokens: int) -> list[int]:
-        return torch.randint(100, vocab - 1, (tokens,), generator=generator).tolist()
-
     prefill = []
     for threads in grid.threads:
         torch.set_num_threads(threads)
         medians = _interleaved_medians(
             grid.prompt_tokens,
             grid.repeats,
-            lambda tokens: _prefill_once(engine, random_prompt(tokens)),
+            lambda tokens: prefill_once(engine, random_prompt(tokens)),
         )
         for tokens, seconds in medians.items():
             prefill.append(PrefillPoint(tokens, threads, seconds))
@@ -181,6 +169,38 @@ def machine_facts(dtype: str) -> dict:
     }
 
 
+def timing_engine(
+    dtype: str,
+    kv_tokens: int,
+    threads: int = 1,
+    max_num_batched_tokens: int = 2048,
+    seed: int = 0,
+) -> tuple[Any, Callable[[int], list[int]]]:
+    """An engine of the default model to time steps with (no detokenizer, KV room for `kv_tokens`),
+    and a seeded source of random prompts of its vocabulary (`random_prompt(tokens)`)."""
+    import torch
+
+    from engine.llm_engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(
+            model="default",
+            dtype=dtype,
+            num_threads=threads,
+            detokenize=False,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_bytes=_kv_bytes(kv_tokens),
+        )
+    )
+    generator = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+
+    def random_prompt(tokens: int) -> list[int]:
+        return torch.randint(100, vocab - 1, (tokens,), generator=generator).tolist()
+
+    return engine, random_prompt
+
+
 def _kv_bytes(tokens: int) -> int:
     from engine.config import NAMED_SHAPES
 
@@ -202,7 +222,8 @@ def _interleaved_medians(points: Sequence[T], repeats: int, run: Callable[[T], f
     return {point: statistics.median(timings) for point, timings in samples.items()}
 
 
-def _prefill_once(engine, prompt: list[int]) -> float:
+def prefill_once(engine, prompt: list[int]) -> float:
+    """One engine step prefilling `prompt` alone (nothing cached), in seconds."""
     from engine.sampling_params import SamplingParams
 
     engine.add_request(

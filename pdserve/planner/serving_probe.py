@@ -88,27 +88,15 @@ def engine_prefill_ms(dtype: str, repeats: int = 3) -> float:
     timed beside the servers rather than minutes before with the profile."""
     import torch
 
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from pdserve.planner.profiler import _kv_bytes, _prefill_once
+    from pdserve.planner.profiler import prefill_once, timing_engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = LLMEngine(
-            EngineConfig(
-                model="default",
-                dtype=dtype,
-                num_threads=1,
-                detokenize=False,
-                kv_cache_bytes=_kv_bytes(2 * PROMPT_TOKENS),
-            )
-        )
-        generator = torch.Generator().manual_seed(1)
-        vocab = engine.model_config.vocab_size
+        engine, random_prompt = timing_engine(dtype, 2 * PROMPT_TOKENS, seed=1)
 
         def once() -> float:
-            prompt = torch.randint(100, vocab - 1, (PROMPT_TOKENS,), generator=generator)
-            return _prefill_once(engine, prompt.tolist())
+            return prefill_once(engine, random_prompt(PROMPT_TOKENS))
 
         once()
         return 1e3 * statistics.median(once() for _ in range(repeats))
@@ -146,7 +134,7 @@ def fit(
     served_lone_ms = lone.get("median_server_prefill_ms")
     lone_prefill_ms = served_lone_ms or prefill_1_ms
     # ... and every prefill step runs as fast as the server ran it, not as the profile found it
-    prefill_share = served_lone_ms / prefill_1_ms - 1 if served_lone_ms else 0.0
+    prefill_share = lone_prefill_ms / prefill_1_ms - 1
     request_s = max(
         0.0, (lone["p50_ttft_ms"] - lone_prefill_ms - sim_lone.ttft_ms["p50"] + prefill_1_ms) / 1e3
     )
@@ -154,7 +142,8 @@ def fit(
     # saw beyond them is the serving path's (2026-12-04, AVX2 EPYC: a lone TPOT of 52.9 ms against
     # the profile's 40.3 ms step of minutes before fitted 10.4 ms per step, which runs 20 minutes
     # later did not pay)
-    decode_share = _decode_step_ms(lone, sim_lone) / sim_lone.tpot_ms["p50"] - 1
+    lone_step_ms = lone.get("median_server_decode_step_ms") or sim_lone.tpot_ms["p50"]
+    decode_share = lone_step_ms / sim_lone.tpot_ms["p50"] - 1
     lone_extra_s = (lone["p50_tpot_ms"] - sim_lone.tpot_ms["p50"] * (1 + decode_share)) / 1e3
     batch_extra_s = (batch["p50_tpot_ms"] - sim_batch.tpot_ms["p50"] * (1 + decode_share)) / 1e3
     token_s = max(0.0, (batch_extra_s - lone_extra_s) / (concurrency - 1))
@@ -197,13 +186,6 @@ def fit(
         borrow_prefill_share=max(0.0, share),
         borrow_decode_s=max(0.0, (lent["p50_tpot_ms"] - sim_lent.tpot_ms["p50"]) / 1e3),
     )
-
-
-def _decode_step_ms(measured: dict, simulated) -> float:
-    """The engine's decode step under a load: as the server timed it, else the simulator's TPOT on
-    the profile (its engine steps alone)."""
-    served_ms = measured.get("median_server_decode_step_ms")
-    return served_ms if served_ms else simulated.tpot_ms["p50"]
 
 
 def closed_loop(requests: int, concurrency: int):

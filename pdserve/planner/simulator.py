@@ -98,7 +98,6 @@ class _Worker:
     home_shared: bool = False
     waiting: deque = field(default_factory=deque)  # streams to prefill here
     running: list = field(default_factory=list)  # streams decoding here
-    busy_until_s: Optional[float] = None  # in a step until then
     step: Optional[_Step] = None
     paused_until_s: float = 0.0  # lending its cores to a prefill until then
     prefilled_last: bool = False
@@ -106,6 +105,12 @@ class _Worker:
     busy_s: float = 0.0
     decode_steps: int = 0
     decode_steps_s: float = 0.0
+
+    @property
+    def busy_until_s(self) -> Optional[float]:
+        """The end of its step at the step's present speed; None between steps."""
+        step = self.step
+        return None if step is None else step.rated_s + max(0.0, step.work_s) / step.rate
 
     @property
     def idle(self) -> bool:
@@ -292,7 +297,6 @@ class Simulation:
                 continue  # its end stands
             step.work_s -= (self.now_s - step.rated_s) * step.rate
             step.rate, step.rated_s, step.version = rate, self.now_s, step.version + 1
-            worker.busy_until_s = self.now_s + max(0.0, step.work_s) / rate
             self._at(worker.busy_until_s, self._step_done, (worker, step, step.version))
 
     def _prefill_batch(self, worker: _Worker, budget: int):
@@ -326,7 +330,13 @@ class Simulation:
         step_s = self.profile.decode_step_s(len(chunks), context, threads)
         if serving is None:
             return step_s
-        return step_s * (1 + serving.decode_share) + (serving.borrow_decode_s if borrowed else 0.0)
+        step_s *= 1 + serving.decode_share
+        # the serving path's own work per decode step and token streamed, and a borrowed step's
+        return (
+            step_s
+            + serving.decode_step_s(len(chunks))
+            + (serving.borrow_decode_s if borrowed else 0.0)
+        )
 
     def _duration_s(self, worker: _Worker, is_prefill: bool, chunks) -> float:
         node = [w for w in self.prefill + self.decode if w.node == worker.node and w is not worker]
@@ -336,8 +346,6 @@ class Simulation:
             lenders = [o for o in node if o.idle and not o.home_shared]
             threads += sum(len(o.home) for o in lenders)
         base_s = self._step_s(worker, is_prefill, chunks, threads)
-        if not is_prefill and self.profile.serving is not None:
-            base_s += self.profile.serving.decode_step_s(len(chunks))
         if not (is_prefill and self.shape.lend_cores and not worker.home_shared):
             return base_s
         for owner in node:  # a decoding owner lends its cores within its streams' TPOT slack
@@ -365,8 +373,6 @@ class Simulation:
         # its step between two pauses, on its own cores (the prefill holds the ones it could borrow)
         _, batch = self._decode_batch(owner)
         owner_step_s = self._step_s(owner, False, batch, len(owner.home))
-        if self.profile.serving is not None:
-            owner_step_s += self.profile.serving.decode_step_s(len(batch))
         left = 1.0 - wait_s / base_s  # of the step's work, when the owner's step ends
         elapsed_s = wait_s
         while left > 0:
@@ -415,7 +421,7 @@ class Simulation:
             return  # its end moved (shared cores)
         is_prefill, chunks = step.is_prefill, step.chunks
         duration_s = self.now_s - step.started_s
-        worker.step = worker.busy_until_s = None
+        worker.step = None
         worker.busy_s += duration_s
         self._share_cores(worker.node)
         if not is_prefill:
