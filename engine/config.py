@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 from engine.dtypes import parse_dtype  # torch-free until called
 
@@ -185,10 +185,6 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
     )
 
 
-# `prefill_batch_tokens` on a CPU (EngineConfig's "auto")
-CPU_PREFILL_BATCH_TOKENS = 512
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
@@ -203,10 +199,6 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     decode_interleave_tokens: Optional[int] = None  # engine.scheduler.SchedulerConfig
-    # likewise; "auto": 512 on a CPU, where a prompt's prefill costs the same per token from 128
-    # tokens on (every profile in benchmarks/results/planner), None (the budget) on a GPU, where
-    # one of 1024 tokens costs 17 us a token against 31 at 512 (an 8B on an H200, gpu_check)
-    prefill_batch_tokens: Union[int, str, None] = None
     enable_prefix_caching: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
     # decode steps replayed from CUDA graphs on CUDA (engine.cuda_graphs); no effect elsewhere
@@ -219,16 +211,10 @@ class EngineConfig:
     def torch_dtype(self):
         return parse_dtype(self.dtype, self.device)
 
-    def scheduler(self, device: str):
-        """The scheduler's config on `device` (resolved: "cpu", "cuda", "cuda:N")."""
+    @property
+    def scheduler(self):
         from engine.scheduler import SchedulerConfig
 
-        batch_tokens = self.prefill_batch_tokens
-        if batch_tokens == "auto":
-            batch_tokens = CPU_PREFILL_BATCH_TOKENS if device.split(":")[0] == "cpu" else None
         return SchedulerConfig(
-            self.max_num_seqs,
-            self.max_num_batched_tokens,
-            self.decode_interleave_tokens,
-            batch_tokens,
+            self.max_num_seqs, self.max_num_batched_tokens, self.decode_interleave_tokens
         )

@@ -1,8 +1,7 @@
 """Continuous batching: which sequences run in the next forward pass.
 
 Policy: if prompts are waiting and fit, run a prefill batch of them under a token budget, chunking a
-prompt that does not fit the budget (with `prefill_batch_tokens`, a further prompt joins a step only
-whole and within that many tokens); otherwise run one decode step over every running sequence.
+prompt that does not fit the budget; otherwise run one decode step over every running sequence.
 While sequences are decoding, prefill is interleaved instead (with `decode_interleave_tokens`): a
 prefill step takes at most that many prompt tokens and is always followed by a decode step, so a
 long prompt arriving on a busy worker delays each running stream by one chunk at a time, not by its
@@ -28,17 +27,10 @@ class SchedulerConfig:
     # Prompt tokens per prefill step while sequences are decoding, each such step followed by a
     # decode step; None: prefill-first with the whole budget (vLLM's classic policy), decodes wait.
     decode_interleave_tokens: Optional[int] = None
-    # A prefill step takes a further waiting prompt only whole and while the step's prompt tokens
-    # stay within this (the first prompt always goes, chunked to the budget); None: prompts fill the
-    # budget. One step ends all of its prompts together, so batching prompts past the point where
-    # the step's matmuls are compute-bound delays the first ones' first tokens for nothing.
-    prefill_batch_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 1:
-            raise ValueError(f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
         if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
             raise ValueError(
                 f"decode_interleave_tokens must be >= 1, got {self.decode_interleave_tokens}"
@@ -92,7 +84,6 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int) -> Optional[ScheduledBatch]:
         seqs, chunks = [], []
-        batch_tokens = self.config.prefill_batch_tokens
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(seqs) >= self.config.max_num_seqs:
                 break
@@ -111,14 +102,7 @@ class Scheduler:
                 except OutOfBlocksError:
                     break  # it waits until running sequences free blocks
                 seq.num_computed_tokens = seq.num_cached_prompt_tokens
-            left = seq.num_tokens - seq.num_computed_tokens
-            chunk = min(left, budget)
-            if (
-                seqs
-                and batch_tokens is not None
-                and (chunk < left or sum(chunks) + chunk > batch_tokens)
-            ):
-                break  # it goes first in a step of its own
+            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk

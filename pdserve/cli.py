@@ -223,14 +223,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "prefill first)",
     )
     p.add_argument(
-        "--prefill-batch-tokens",
-        type=lambda text: text if text == "auto" else int(text),
-        default="auto",
-        help="a prefill step takes a further waiting prompt only whole and within this many "
-        "tokens in all (auto: 512 on CPUs, where more tokens in a step do not make each cheaper; "
-        "the budget on GPUs; 0: prompts fill --max-num-batched-tokens)",
-    )
-    p.add_argument(
         "--autoscale",
         nargs="?",
         const="reactive",
@@ -360,7 +352,6 @@ def _serve_config(args: argparse.Namespace, **overrides):
         prefix_weight=args.prefix_weight,
         decode_stream_tokens=args.decode_stream_tokens,
         decode_interleave_tokens=args.decode_interleave_tokens or None,
-        prefill_batch_tokens=args.prefill_batch_tokens or None,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer,

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 from engine.dtypes import DEVICES  # torch-free
 from router.slo import DEFAULT_SLO, SLO  # torch-free
@@ -66,12 +66,6 @@ class ServeConfig:
     # while streams are decoding (engine.scheduler); None: prefill-first, streams wait for whole
     # prompts.
     decode_interleave_tokens: Optional[int] = 256
-    # A prefill step takes a further waiting prompt only whole and within this many tokens in all
-    # (engine.scheduler): one step ends all its prompts together, so where more tokens in a step
-    # do not make each cheaper, a second prompt only holds the first one's first token back.
-    # "auto": 512 on CPUs, the budget on GPUs (engine.config.EngineConfig); None: prompts fill
-    # max_num_batched_tokens, as vLLM's do.
-    prefill_batch_tokens: Union[int, str, None] = "auto"
     # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
     pd_policy: str = "auto"
     # auto: prompts with this few tokens not cached there prefill on their decode worker
@@ -195,13 +189,6 @@ class ServeConfig:
             raise ValueError(
                 f"--decode-interleave-tokens must be >= 1, got {self.decode_interleave_tokens}"
             )
-        if self.prefill_batch_tokens not in (None, "auto") and not (
-            isinstance(self.prefill_batch_tokens, int) and self.prefill_batch_tokens >= 1
-        ):
-            raise ValueError(
-                "--prefill-batch-tokens must be auto, 0 (off) or a positive number, got "
-                f"{self.prefill_batch_tokens!r}"
-            )
         if self.kv_timeout_s <= 0:
             raise ValueError(f"kv_timeout_s must be positive, got {self.kv_timeout_s}")
         if self.stream_interval < 1:
@@ -266,7 +253,6 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             decode_interleave_tokens=self.decode_interleave_tokens,
-            prefill_batch_tokens=self.prefill_batch_tokens,
             cuda_graphs=not self.enforce_eager,
         )
 

@@ -76,49 +76,6 @@ def test_the_scheduler_interleaves_prefill_chunks_with_decode_steps():
     ]  # after a prefill step a decode step, always
 
 
-def test_a_prefill_step_takes_a_further_prompt_only_whole_and_within_prefill_batch_tokens():
-    """Two 512-token prompts each get a step of their own (one step would hold the first one's
-    first token back for the second's prefill); short prompts still share one; a long prompt's
-    first chunk goes alone."""
-    allocator = BlockAllocator(512, 16, enable_prefix_caching=False)
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=2048, prefill_batch_tokens=512), allocator
-    )
-    for request_id, tokens in [("a", 512), ("b", 512), ("c", 200), ("d", 300), ("e", 20)]:
-        scheduler.add(_seq(request_id, tokens))
-    scheduler.add(_seq("long", 3000))
-    steps = []
-    while scheduler.waiting:
-        batch = scheduler.schedule()
-        steps.append([(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
-        scheduler.after_prefill(batch)
-    assert steps == [
-        [("a", 512)],
-        [("b", 512)],
-        [("c", 200), ("d", 300)],  # e would pass 512
-        [("e", 20)],  # long's first chunk would pass 512: it goes first in a step of its own
-        [("long", 2048)],
-        [("long", 952)],
-    ]
-    # without the limit, prompts fill the budget
-    unlimited = Scheduler(SchedulerConfig(max_num_batched_tokens=2048), allocator)
-    for request_id in "xy":
-        unlimited.add(_seq(request_id, 512))
-    assert unlimited.schedule().num_new_tokens == [512, 512]
-    with pytest.raises(ValueError, match="prefill_batch_tokens"):
-        SchedulerConfig(prefill_batch_tokens=0)
-    # a server's default: 512 on a CPU, the budget on a GPU (engine.config)
-    from engine.config import EngineConfig
-    from pdserve.system import ServeConfig
-
-    config = ServeConfig().engine_config()
-    assert config.scheduler("cpu").prefill_batch_tokens == 512
-    assert config.scheduler("cuda:0").prefill_batch_tokens is None
-    assert EngineConfig().scheduler("cpu").prefill_batch_tokens is None  # the engine alone: budget
-    with pytest.raises(ValueError, match="--prefill-batch-tokens"):
-        ServeConfig(prefill_batch_tokens=-1)
-
-
 @pytest.fixture(scope="module")
 def system(harness, tmp_path_factory):
     # Its own directory for lending cores: only its two workers register there, so an earlier

@@ -135,23 +135,6 @@ def test_kv_capacity_order_is_first_come_first_served():
         assert started_s == pytest.approx(before.token_times_s[-1], abs=1e-6)
 
 
-def test_queued_prompts_prefill_as_the_scheduler_batches_them():
-    """Three 512-token prompts at once on one prefill worker: each prefills in a step of its own
-    (`prefill_batch_tokens`, the system's default), so their first tokens come one prefill apart;
-    with prompts filling the budget the two behind the first wait for one step of both."""
-    from pdserve.planner.simulator import Simulation
-
-    profile = synthetic_profile()
-    one_s = profile.chunk_s(0, 512, 1)
-    requests = [Request(0.0, 512, 8, i, 0) for i in range(3)]
-    for batch_tokens, expected in [(512, [1, 2, 3]), (None, [1, 3, 3])]:
-        shape = SystemShape.parse("1p1d@1", lend_cores=False, prefill_batch_tokens=batch_tokens)
-        simulation = Simulation(profile, shape, SLO_LOOSE)
-        simulation.run(requests)
-        first_s = [stream.token_times_s[0] for stream in simulation.streams]
-        assert first_s == pytest.approx([n * one_s for n in expected], rel=1e-6)
-
-
 def test_conversation_turns_follow_replies_and_reuse_the_history():
     workload = Workload.parse("users=2,turns=3,system=256,turn=64,out=64,think=1,seed=3")
     requests = workload.requests(0.5)
@@ -192,11 +175,7 @@ def test_gpu_profile_from_the_stored_h200_check_and_its_plan():
 
     def attainment(text: str) -> float:
         shape = SystemShape.parse(
-            text,
-            lend_cores=False,
-            transport="pinned",
-            max_num_batched_tokens=8192,
-            prefill_batch_tokens=None,  # as on a GPU (engine.config's auto)
+            text, lend_cores=False, transport="pinned", max_num_batched_tokens=8192
         )
         return simulate(profile, shape, slo, requests, node_cores=8).slo_attainment
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional
 
 DEFAULT_WORKLOAD = "in=512,out=128,n=200"
 
@@ -124,13 +123,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="the engine's token budget per step (the GPU check ran 8192)",
     )
-    p.add_argument(
-        "--prefill-batch-tokens",
-        type=lambda text: text if text == "auto" else int(text),
-        default="auto",
-        help="as the serve flag (auto: 512 for a CPU profile, the budget for a GPU one; 0: "
-        "prompts fill the budget)",
-    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -177,16 +169,6 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prefill_batch_tokens(args: argparse.Namespace, profile) -> Optional[int]:
-    """The flag as the servers would resolve it on the profiled machine (engine.config)."""
-    from engine.config import CPU_PREFILL_BATCH_TOKENS
-
-    if args.prefill_batch_tokens == "auto":
-        on_gpu = profile.machine.get("cpu_capability") == "cuda"
-        return None if on_gpu else CPU_PREFILL_BATCH_TOKENS
-    return args.prefill_batch_tokens or None
-
-
 def _inputs(args: argparse.Namespace):
     from pdserve.planner.profile import Profile
     from pdserve.planner.workload import Workload
@@ -209,7 +191,6 @@ def _simulate(args: argparse.Namespace) -> int:
         lend_cores=not args.no_lend_cores,
         decode_interleave_tokens=args.decode_interleave_tokens or None,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_batch_tokens=_prefill_batch_tokens(args, profile),
     )
     report = simulate(profile, shape, slo, workload.requests(args.rate), args.node_cores)
     if args.json:
@@ -231,7 +212,6 @@ def _plan(args: argparse.Namespace) -> int:
         transport=args.transport,
         lend_cores=not args.no_lend_cores,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_batch_tokens=_prefill_batch_tokens(args, profile),
     )
     # a transport the profile lacks: one clear error before searching
     profile.handoff_s(1, args.transport)
@@ -260,7 +240,6 @@ def _plan(args: argparse.Namespace) -> int:
             transport=args.transport,
             lend_cores=not args.no_lend_cores,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            prefill_batch_tokens=_prefill_batch_tokens(args, profile),
         )
         shapes = [SystemShape.parse(text, **settings) for text in args.shapes.split(",")]
         plan = best_of(profile, workload, slo, args.rate, shapes, args.node_cores, log=log)

@@ -34,7 +34,6 @@ class SearchSpace:
     transport: str = "ray"
     lend_cores: bool = True  # CPUs; GPUs lend nothing
     max_num_batched_tokens: int = 2048
-    prefill_batch_tokens: Optional[int] = 512
 
     def shapes(self, max_cpus: Optional[float] = None) -> list[SystemShape]:
         """Every shape of the space (within `max_cpus`), cheapest first."""
@@ -62,7 +61,6 @@ class SearchSpace:
             transport=self.transport,
             lend_cores=self.lend_cores,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            prefill_batch_tokens=self.prefill_batch_tokens,
         )
 
 

@@ -32,7 +32,6 @@ class SystemShape:
     lend_cores: bool = True  # idle cores, and decode cores within TPOT slack (runtime/cores.py)
     transport: str = "ray"
     max_num_batched_tokens: int = 2048
-    prefill_batch_tokens: Optional[int] = 512  # the system's default (pdserve serve)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

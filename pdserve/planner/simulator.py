@@ -258,21 +258,11 @@ class Simulation(CoreModel):
         self._share_cores(worker.node)
 
     def _prefill_batch(self, worker: _Worker, budget: int):
-        """As `engine.scheduler.Scheduler` batches waiting prompts: under the token budget, a
-        further prompt only whole and within `prefill_batch_tokens`."""
         chunks = []
-        batch_tokens = self.shape.prefill_batch_tokens
         for stream in worker.waiting:
             if budget == 0:
                 break
-            left = stream.request.prompt_tokens - stream.computed_tokens
-            chunk = min(left, budget)
-            if (
-                chunks
-                and batch_tokens is not None
-                and (chunk < left or sum(n for _, n in chunks) + chunk > batch_tokens)
-            ):
-                break
+            chunk = min(stream.request.prompt_tokens - stream.computed_tokens, budget)
             chunks.append((stream, chunk))
             budget -= chunk
         return (True, chunks) if chunks else None

@@ -1,7 +1,6 @@
 """The simulator against real runs: `pdserve bench` results beside `simulate` on the same arrivals.
 
     python -m pdserve.planner.validation PROFILE RUNS NAME=SHAPE ... [--slo ttft:1000,tpot:50]
-        [--prefill-batch-tokens 0]  # for runs of servers before prompts were batched so
 
 RUNS is a folder of benchmarks/results/planner/validate.sh: NAME.json (a sweep of the random
 dataset) and NAME-conversation.json (the conversation dataset) per system. Each rate of a sweep is
@@ -25,12 +24,10 @@ from pdserve.planner.workload import Workload
 from router.slo import SLO
 
 
-def rows(
-    profile: Profile, runs: Path, systems: dict[str, str], slo: SLO, **shape_settings
-) -> list[dict]:
+def rows(profile: Profile, runs: Path, systems: dict[str, str], slo: SLO) -> list[dict]:
     result = []
     for name, shape_text in systems.items():
-        shape = SystemShape.parse(shape_text, **shape_settings)
+        shape = SystemShape.parse(shape_text)
         sweep = runs / f"{name}.json"
         if sweep.exists():
             data = json.loads(sweep.read_text())
@@ -149,23 +146,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("runs")
     parser.add_argument("systems", nargs="+", metavar="NAME=SHAPE", help="e.g. 1p1d=1p1d@0.5")
     parser.add_argument("--slo", default="ttft:1000,tpot:50")
-    parser.add_argument(
-        "--prefill-batch-tokens",
-        type=int,
-        default=512,
-        help="as the servers ran (0: prompts filled the budget: runs before 2026-12-04's third "
-        "session)",
-    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     systems = dict(item.split("=", 1) for item in args.systems)
-    table = rows(
-        Profile.load(args.profile),
-        Path(args.runs),
-        systems,
-        SLO.parse(args.slo),
-        prefill_batch_tokens=args.prefill_batch_tokens or None,
-    )
+    table = rows(Profile.load(args.profile), Path(args.runs), systems, SLO.parse(args.slo))
     print(json.dumps(table, indent=1) if args.json else markdown(table))
     return 0
 
