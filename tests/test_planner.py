@@ -256,6 +256,12 @@ def test_cli_profile_simulate_plan_round_trip(tmp_path, capsys):
     )
     planned = json.loads(capsys.readouterr().out)
     assert planned["shape"] == "colo1@1" and planned["predicted"]["slo_attainment"] >= 0.9
+    assert planned["meets_attainment_target"]
+    # the best of given shapes, though none holds a TTFT of 1 ms: said so, exit status 1
+    shapes = ["--rate", "0.5", "--shapes", "colo1@1,1p1d@1"]
+    assert main(["plan", *common, "--slo", "ttft:1,tpot:500", *shapes]) == 1
+    best = json.loads(capsys.readouterr().out)
+    assert best["shape"] in ("colo1@1", "1p1d@1") and not best["meets_attainment_target"]
     # the quick profile has no ray handoff
     assert main(["simulate", "--profile", profile_path, "--rate", "1"]) == 2
     assert "no KV handoff for transport 'ray'" in capsys.readouterr().err

@@ -249,8 +249,19 @@ def _plan(args: argparse.Namespace) -> int:
         plan = cheapest(
             profile, workload, slo, args.rate, space, args.attainment, args.node_cores, log=log
         )
+    # --shapes picks the best of them even where none holds the SLO (past every one's capacity)
+    meets = plan.report is not None and plan.report.slo_attainment >= args.attainment
     if args.json:
-        print(json.dumps({"slo": str(slo), "attainment_target": args.attainment, **plan.to_json()}))
+        print(
+            json.dumps(
+                {
+                    "slo": str(slo),
+                    "attainment_target": args.attainment,
+                    "meets_attainment_target": meets,
+                    **plan.to_json(),
+                }
+            )
+        )
     elif plan.shape is None:
         print(
             f"nothing within the search space meets {slo} for {args.attainment:.0%} of requests"
@@ -261,5 +272,10 @@ def _plan(args: argparse.Namespace) -> int:
             f"plan: {plan.shape} ({plan.shape.total_cpus:g} CPUs) at {plan.rate_rps:.2f} req/s: "
             f"pdserve serve {plan.shape.serve_flags()} --slo {slo}"
         )
+        if not meets:
+            print(
+                f"(the best of the shapes, but none meets {slo} for {args.attainment:.0%} of "
+                f"requests at this rate: {plan.report.slo_attainment:.1%})"
+            )
         print(plan.report.table())
-    return 0 if plan.shape is not None else 1
+    return 0 if meets else 1
