@@ -1,13 +1,14 @@
-"""The elementwise parts of a bf16 layer on CPU as fused C kernels (engine/csrc/elementwise.c):
-RMSNorm with the residual add before it, SiLU(gate) * up, and the rotary embedding of q and k.
-torch's bf16 CPU kernels for these take 2.1 ms of every layer of a 512-token prompt on one core
-(docs/benchmarks.md).
+"""The elementwise parts of a bf16 or fp32 layer on CPU as fused C kernels
+(engine/csrc/elementwise.c): RMSNorm with the residual add before it, SiLU(gate) * up, and the
+rotary embedding of q and k. torch's bf16 CPU kernels for these take 2.1 ms of every layer of a
+512-token prompt on one core, its fp32 ones ~2.5 ms (5 % of the prefill on an AVX2 core; the fused
+ones save 2-4 % of a fp32 prefill or decode step there: docs/benchmarks.md).
 
 Built and loaded like the paged decode-attention kernel (engine/paged_attention.py), with the same
 switch (`PDSERVE_DISABLE_KERNELS=1`) and the same fallback: where it is unavailable, or for any
-other dtype or device, `fused_ops_for` answers None and the model runs torch's ops. Each result is
+other dtype or device, `fused_ops_for` answers None and the model runs torch's ops. A bf16 result is
 rounded to bf16 once, where torch rounds after every op: the two agree to bf16 rounding, not bit for
-bit.
+bit; fp32 ones to fp32 rounding (another order of the RMSNorm's sum, SiLU's exp within about 1 ulp).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ SOURCE = Path(__file__).parent / "csrc" / "elementwise.c"
 EXTRA_FLAGS = ("-ffinite-math-only",)
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "add_rms_norm_bf16": [_P, _P, _P, _P, _I, _I, _F, _I],
-    "add_bf16": [_P, _P, _I, _I],
-    "silu_mul_bf16": [_P, _P, _I, _I, _I],
-    "rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I, _I],
+    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
+    "add": [_P, _P, _I, _I],
+    "silu_mul": [_P, _P, _I, _I, _I],
+    "rope": [_P, _I, _P, _P, _P, _I, _I, _I, _I],
 }
+_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
@@ -46,10 +48,12 @@ def _ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
 class FusedOps:
     def __init__(self, library_path: Path):
         lib = ctypes.CDLL(str(library_path))
+        self._kernels = {}
         for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-            setattr(self, f"_{name}", fn)
+            for dtype, suffix in _SUFFIXES.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                self._kernels[name, dtype] = fn
 
     def rms_norm(
         self,
@@ -60,7 +64,7 @@ class FusedOps:
     ) -> torch.Tensor:
         """RMSNorm of x's rows times `weight`; with `residual`, x += residual first, in place."""
         out = torch.empty_like(x)
-        self._add_rms_norm_bf16(
+        self._kernels["add_rms_norm", x.dtype](
             _ptr(x),
             _ptr(residual),
             _ptr(weight),
@@ -73,14 +77,15 @@ class FusedOps:
         return out
 
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self._add_bf16(_ptr(x), _ptr(y), x.numel(), torch.get_num_threads())
+        self._kernels["add", x.dtype](_ptr(x), _ptr(y), x.numel(), torch.get_num_threads())
         return x
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU of the first half of each row times its second half."""
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, inter, dtype=gate_up.dtype)
-        self._silu_mul_bf16(_ptr(gate_up), _ptr(out), rows, inter, torch.get_num_threads())
+        kernel = self._kernels["silu_mul", gate_up.dtype]
+        kernel(_ptr(gate_up), _ptr(out), rows, inter, torch.get_num_threads())
         return out
 
     def rope(
@@ -96,7 +101,7 @@ class FusedOps:
         (RotaryEmbedding.cos_sin). Returns a contiguous [tokens, heads, head_dim]."""
         tokens = rows.shape[0]
         out = torch.empty(tokens, heads, head_dim, dtype=rows.dtype)
-        self._rope_bf16(
+        self._kernels["rope", rows.dtype](
             _ptr(rows),
             rows.stride(0),
             _ptr(cos.contiguous()),
@@ -111,8 +116,8 @@ class FusedOps:
 
 
 def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
-    """The fused kernels for a contiguous bf16 CPU activation, else None (torch's ops)."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    """The fused kernels for a contiguous bf16 or fp32 CPU activation, else None (torch's ops)."""
+    if x.dtype not in _SUFFIXES or x.device.type != "cpu":
         return None
     return load_fused_ops()
 

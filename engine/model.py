@@ -382,7 +382,7 @@ class DecoderLayer(nn.Module):
         if fused is None:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
             return x + self.mlp(self.post_attention_layernorm(x))
-        # bf16 on CPU: the residual stream is updated in place, its add fused into the norm after it
+        # on CPU: the residual stream is updated in place, its add fused into the norm after it
         norm = self.post_attention_layernorm
         attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
         return fused.add_(x, self.mlp(fused.rms_norm(x, norm.weight, norm.eps, residual=attn)))

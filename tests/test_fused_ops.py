@@ -1,6 +1,6 @@
-"""The fused bf16 elementwise kernels (engine/fused_ops.py) against torch's ops: the same to bf16
-rounding (they round once where torch rounds after each op), and a bf16 model that uses them gives
-the same greedy tokens as one that does not, for a short answer."""
+"""The fused elementwise kernels (engine/fused_ops.py) against torch's ops: the same to bf16
+rounding in bf16 (they round once where torch rounds after each op) and to fp32 rounding in fp32,
+and a model that uses them gives the same greedy tokens as one that does not, for a short answer."""
 
 import pytest
 import torch
@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from engine.fused_ops import load_fused_ops
 from engine.model import apply_rope
+
+DTYPES = [torch.bfloat16, torch.float32]
 
 
 @pytest.fixture(scope="module")
@@ -19,17 +21,19 @@ def ops():
     return fused
 
 
-def _close(a, b, rel=2**-7):
-    """Within about one bf16 rounding of each other (relative to the row's scale)."""
+def _close(a, b):
+    """Within about one rounding of the dtype of each other (relative to the row's scale)."""
+    rel = 2**-7 if b.dtype == torch.bfloat16 else 2**-20
     scale = b.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
     assert ((a.float() - b.float()).abs() / scale).max().item() <= 2 * rel
 
 
-def test_rms_norm_with_and_without_the_residual_add(ops):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_the_residual_add(ops, dtype):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 576, generator=g).bfloat16()
-    r = torch.randn(37, 576, generator=g).bfloat16()
-    w = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    x = torch.randn(37, 576, generator=g).to(dtype)
+    r = torch.randn(37, 576, generator=g).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
     _close(ops.rms_norm(x.clone(), w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
     summed = x.clone()
     out = ops.rms_norm(summed, w, 1e-5, residual=r)
@@ -39,26 +43,28 @@ def test_rms_norm_with_and_without_the_residual_add(ops):
     assert torch.equal(ops.add_(y, r), x + r) and torch.equal(y, x + r)
 
 
-def test_silu_mul_and_rope(ops):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_and_rope(ops, dtype):
     g = torch.Generator().manual_seed(1)
-    gate_up = (torch.randn(513, 2 * 1536, generator=g) * 4).bfloat16()
+    gate_up = (torch.randn(513, 2 * 1536, generator=g) * 4).to(dtype)
     gate, up = gate_up.split(1536, -1)
     _close(ops.silu_mul(gate_up), F.silu(gate) * up)
     heads, kv_heads, head_dim = 9, 3, 64
-    qkv = torch.randn(40, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16()
-    cos = torch.randn(40, 1, head_dim, generator=g).bfloat16()
-    sin = torch.randn(40, 1, head_dim, generator=g).bfloat16()
+    qkv = torch.randn(40, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    cos = torch.randn(40, 1, head_dim, generator=g).to(dtype)
+    sin = torch.randn(40, 1, head_dim, generator=g).to(dtype)
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(40, heads + kv_heads, head_dim)
     _close(ops.rope(qkv, heads + kv_heads, head_dim, cos, sin), apply_rope(qk, cos, sin))
 
 
-def test_a_bf16_model_answers_the_same_with_and_without_them(monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_model_answers_the_same_with_and_without_them(monkeypatch, dtype):
     from engine import model as model_module
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(
-        EngineConfig(model="default", dtype="bfloat16", num_threads=1, kv_cache_bytes=16 << 20)
+        EngineConfig(model="default", dtype=dtype, num_threads=1, kv_cache_bytes=16 << 20)
     )
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
     params = SamplingParams(max_tokens=6, temperature=0)
