@@ -49,15 +49,18 @@ def main() -> None:
         return statistics.median(times)
 
     results = {name: {"prefill": [], "decode": []} for name in ways}
-    for round_index in range(args.rounds + 1):  # the first round warms up
-        for name, switch in ways.items():
-            model_module.fused_ops_for = switch
-            prefill_s = prefill_once(engine, random_prompt(args.prompt_tokens))
-            step_s = decode_step_s()
-            if round_index:
-                results[name]["prefill"].append(prefill_s)
-                results[name]["decode"].append(step_s)
-    model_module.fused_ops_for = fused_ops_for
+    try:
+        for round_index in range(args.rounds + 1):  # the first round warms up
+            # each way first in every other round
+            for name in sorted(ways, reverse=bool(round_index % 2)):
+                model_module.fused_ops_for = ways[name]
+                prefill_s = prefill_once(engine, random_prompt(args.prompt_tokens))
+                step_s = decode_step_s()
+                if round_index:
+                    results[name]["prefill"].append(prefill_s)
+                    results[name]["decode"].append(step_s)
+    finally:
+        model_module.fused_ops_for = fused_ops_for
     print(
         f"cpu {torch.backends.cpu.get_cpu_capability()}, {args.dtype}, {args.threads} thread(s), "
         f"{args.rounds} rounds"

@@ -47,7 +47,7 @@ def layer_differences(device: str, dtype: torch.dtype, ids: list[int]) -> None:
     hf = gpu_engine._hf_from_gguf(default_model_path(), dtype, device)
     model, states, n = engine.loaded.model, [], len(ids)
     hooks = [
-        layer.register_forward_hook(lambda m, i, o: states.append(o.detach().float()))
+        layer.register_forward_hook(lambda m, i, o: states.append(o.detach().float().clone()))
         for layer in model.layers
     ]
     blocks = torch.arange(4, 4 + -(-n // 16), device=device)  # any free blocks of a fresh engine
