@@ -381,10 +381,11 @@ class DecodeWorker(ParkingEndpoints):
         worker from its first decoded token on has it in its batch), on its last output; None
         before, and for a request that never decoded here."""
         loop = self.loop
-        if not self.engine.last_step_was_prefill:
+        if not self.engine.last_step_was_prefill and output.request_id not in self._decode_from:
             # its first decoded token: the counters before this step
-            self._decode_from.setdefault(
-                output.request_id, (loop.decode_steps - 1, loop.decode_steps_s - loop.last_step_s)
+            self._decode_from[output.request_id] = (
+                loop.decode_steps - 1,
+                loop.decode_steps_s - loop.last_step_s,
             )
         if not output.finished:
             return None

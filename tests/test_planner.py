@@ -107,6 +107,20 @@ def test_workers_sharing_cores_divide_them_while_both_are_busy():
     assert report.ttft_ms["p99"] == pytest.approx(1548, abs=1)
 
 
+def _stream_and_prompt(slo):
+    """1P+1D (0.5 CPU each, remote prefill): one long stream decoding from 0 s, a 2048-token
+    prompt arriving at 1 s; their simulated streams."""
+    from pdserve.planner.simulator import Simulation
+
+    requests = [
+        Request(0.0, 16, 2000, 0, previous_tokens=0),
+        Request(1.0, 2048, 1, 1, previous_tokens=0),
+    ]
+    simulation = Simulation(synthetic_profile(), SystemShape.parse("1p1d@0.5/remote"), slo)
+    simulation.run(requests)
+    return simulation.streams
+
+
 def test_a_decoding_worker_lends_its_cores_again_after_each_step_while_it_has_slack():
     """1P+1D, one long stream decoding (TPOT budget 50 ms: seconds of slack) when a 2048-token
     prompt arrives (2.048 s on one core, 1.024 on two): the prefill waits on its own core for the
@@ -115,16 +129,7 @@ def test_a_decoding_worker_lends_its_cores_again_after_each_step_while_it_has_sl
     its own core (11 ms, the prompt going on on one core meanwhile), four times, and the prompt
     ends within the fifth pause: 1.048 s. Lent once only, the rest on one core, it took 1.85 s. The
     stream's next token comes after the last pause and one step."""
-    from pdserve.planner.simulator import Simulation
-
-    profile = synthetic_profile()
-    requests = [
-        Request(0.0, 16, 2000, 0, previous_tokens=0),
-        Request(1.0, 2048, 1, 1, previous_tokens=0),
-    ]
-    simulation = Simulation(profile, SystemShape.parse("1p1d@0.5/remote"), SLO_FAST)
-    simulation.run(requests)
-    stream, prompt = simulation.streams
+    stream, prompt = _stream_and_prompt(SLO_FAST)
     wait_s, step_s, pause_s = 0.0045, 0.011, 0.2
     left = 1 - wait_s / 2.048 - 4 * (pause_s / 1.024 + step_s / 2.048)
     expected_s = wait_s + 4 * (pause_s + step_s) + left * 1.024
@@ -138,17 +143,7 @@ def test_a_lending_worker_resumes_when_its_slack_is_spent():
     """The same with a TPOT budget of 8 ms: the stream's slack is spent in ~0.1 s of lending, and
     the decode worker decodes again then, while the prompt goes on on one core: no gap in its
     stream near the prompt's 1.9 s."""
-    from pdserve.planner.simulator import Simulation
-
-    requests = [
-        Request(0.0, 16, 2000, 0, previous_tokens=0),
-        Request(1.0, 2048, 1, 1, previous_tokens=0),
-    ]
-    simulation = Simulation(
-        synthetic_profile(), SystemShape.parse("1p1d@0.5/remote"), SLO.parse("ttft:9000,tpot:8")
-    )
-    simulation.run(requests)
-    stream, prompt = simulation.streams
+    stream, prompt = _stream_and_prompt(SLO.parse("ttft:9000,tpot:8"))
     assert prompt.token_times_s[0] - prompt.arrival_s > 1.5  # mostly on one core
     gaps = [b - a for a, b in zip(stream.token_times_s, stream.token_times_s[1:])]
     assert 0.05 < max(gaps) < 0.2

@@ -33,6 +33,16 @@ def _probe_loads(profile):
     )
 
 
+def _resimulated(profile, serving, probed):
+    """The probe's two loads simulated again with the fitted costs: (one at a time, four at a
+    time)."""
+    fitted = profile.with_serving(serving)
+    return (
+        simulate(fitted, probed, SLO_LOOSE, closed_loop(5, 1)),
+        simulate(fitted, probed, SLO_LOOSE, closed_loop(8, 4)),
+    )
+
+
 def test_serving_costs_fitted_reproduce_the_loads_they_were_fitted_on():
     """Given a lone request's TTFT/TPOT and a batch of 4's TPOT, the fitted costs make the simulator
     predict exactly those figures for those loads, and each cost lands where it belongs."""
@@ -50,13 +60,11 @@ def test_serving_costs_fitted_reproduce_the_loads_they_were_fitted_on():
     assert serving.request_s == pytest.approx(0.040, abs=1e-3)
     assert serving.token_s == pytest.approx(0.0005, abs=1e-4)
     assert serving.step_s == pytest.approx(0.0045, abs=3e-4)
-    fitted = profile.with_serving(serving)
-    again = simulate(fitted, probed, SLO_LOOSE, closed_loop(5, 1))
-    assert again.ttft_ms["p50"] == pytest.approx(lone["p50_ttft_ms"], rel=0.01)
-    assert again.tpot_ms["p50"] == pytest.approx(lone["p50_tpot_ms"], rel=0.02)
-    again = simulate(fitted, probed, SLO_LOOSE, closed_loop(8, 4))
+    again_lone, again_batch = _resimulated(profile, serving, probed)
+    assert again_lone.ttft_ms["p50"] == pytest.approx(lone["p50_ttft_ms"], rel=0.01)
+    assert again_lone.tpot_ms["p50"] == pytest.approx(lone["p50_tpot_ms"], rel=0.02)
     # a first-order fit: the costs also move the second wave's arrivals a little
-    assert again.tpot_ms["p50"] == pytest.approx(batch["p50_tpot_ms"], rel=0.05)
+    assert again_batch.tpot_ms["p50"] == pytest.approx(batch["p50_tpot_ms"], rel=0.05)
 
 
 def test_engine_steps_as_the_server_ran_them_are_fitted_as_shares_of_the_profiles():
@@ -85,14 +93,12 @@ def test_engine_steps_as_the_server_ran_them_are_fitted_as_shares_of_the_profile
     assert serving.request_s == pytest.approx(0.020, abs=1e-3)
     assert serving.step_s == pytest.approx(0.002 - serving.token_s, abs=1e-6)
     assert serving.fitted_from["engine_prefill_ms_beside"] == pytest.approx(1.1 * one_thread_ms)
-    fitted = profile.with_serving(serving)
-    again = simulate(fitted, probed, SLO_LOOSE, closed_loop(5, 1))
-    assert again.ttft_ms["p50"] == pytest.approx(lone["p50_ttft_ms"], rel=0.01)
-    assert again.tpot_ms["p50"] == pytest.approx(lone["p50_tpot_ms"], rel=0.01)
+    again_lone, again_batch = _resimulated(profile, serving, probed)
+    assert again_lone.ttft_ms["p50"] == pytest.approx(lone["p50_ttft_ms"], rel=0.01)
+    assert again_lone.tpot_ms["p50"] == pytest.approx(lone["p50_tpot_ms"], rel=0.01)
     # the batch's TPOT too, though its steps ran at another speed than the lone one's: the fit
     # charges what the model will (first order: the costs move the second wave's arrivals a little)
-    again = simulate(fitted, probed, SLO_LOOSE, closed_loop(8, 4))
-    assert again.tpot_ms["p50"] == pytest.approx(batch["p50_tpot_ms"], rel=0.03)
+    assert again_batch.tpot_ms["p50"] == pytest.approx(batch["p50_tpot_ms"], rel=0.03)
 
 
 def test_serving_costs_round_trip_and_an_old_profile_reads_without_them(tmp_path):

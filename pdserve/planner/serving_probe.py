@@ -58,8 +58,8 @@ def measure_serving(
     lone_requests: int = 5,
     log: Callable[[str], None] = lambda line: None,
 ) -> ServingCosts:
-    dtype = profile.machine.get("dtype", "auto")
-    before_ms = engine_prefill_ms(dtype)
+    engine_prefill_ms = engine_prefill_timer(profile.machine.get("dtype", "auto"))
+    before_ms = engine_prefill_ms()
     log(f"serving probe: the engine alone prefills {PROMPT_TOKENS} tokens in {before_ms:.1f} ms")
     with _Server(profile, lend_cores="off") as port:
         log(f"serving probe: pdserve serve --prefill 1 --decode 1 --lend-cores off, port {port}")
@@ -77,31 +77,38 @@ def measure_serving(
             f"  one at a time: TTFT p50 {lent['p50_ttft_ms']:.1f}, "
             f"TPOT p50 {lent['p50_tpot_ms']:.1f} ms"
         )
-    after_ms = engine_prefill_ms(dtype)
+    after_ms = engine_prefill_ms()
     log(f"serving probe: the engine alone again: {after_ms:.1f} ms")
     return fit(profile, lone, batch, lone_requests, concurrency, lent, (before_ms + after_ms) / 2)
 
 
-def engine_prefill_ms(dtype: str, repeats: int = 3) -> float:
-    """The engine's one-thread prefill of a fresh 512-token prompt in this process (median of
-    `repeats` after a warm-up): the probe's reference for what serving adds to a prefill step,
-    timed beside the servers rather than minutes before with the profile."""
+def engine_prefill_timer(dtype: str, repeats: int = 3) -> Callable[[], float]:
+    """A timer of the engine's one-thread prefill of a fresh 512-token prompt in this process, ms
+    (median of `repeats` after a warm-up): the probe's reference for what serving adds to a prefill
+    step, timed beside the servers rather than minutes before with the profile. One engine for
+    every timing."""
     import torch
 
     from pdserve.planner.profiler import prefill_once, timing_engine
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine, random_prompt = timing_engine(dtype, 2 * PROMPT_TOKENS, seed=1)
+    def one_thread(run: Callable):  # and this process's thread count as it was after
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return run()
+        finally:
+            torch.set_num_threads(threads)
 
-        def once() -> float:
-            return prefill_once(engine, random_prompt(PROMPT_TOKENS))
+    engine, random_prompt = one_thread(lambda: timing_engine(dtype, 2 * PROMPT_TOKENS, seed=1))
 
+    def once() -> float:
+        return prefill_once(engine, random_prompt(PROMPT_TOKENS))
+
+    def timed_ms() -> float:
         once()
         return 1e3 * statistics.median(once() for _ in range(repeats))
-    finally:
-        torch.set_num_threads(threads)
+
+    return lambda: one_thread(timed_ms)
 
 
 def fit(
