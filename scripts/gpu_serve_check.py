@@ -134,13 +134,13 @@ def ensure_installed() -> None:
             raise SystemExit(f"still missing after installing the carried parts: {missing}")
         print(f"{missing}: installing the carried parts", flush=True)
         subprocess.run([sys.executable, str(ROOT / "scripts/gpu_wheels.py"), "install"], check=True)
-        from gpu_wheels import DEVICE_DIR, MODEL_FILE
+        from gpu_wheels import DEVICE_DIR, default_model_file
 
         env = dict(os.environ, PDSERVE_GPU_INSTALLED="1")
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(DEVICE_DIR / "site"), env.get("PYTHONPATH")) if p
         )
-        env["PDSERVE_DEFAULT_MODEL"] = str(DEVICE_DIR / "files" / MODEL_FILE)
+        env["PDSERVE_DEFAULT_MODEL"] = str(default_model_file())
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
@@ -409,6 +409,11 @@ def write_markdown(report: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def write_report(report: dict, stem: Path) -> None:
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
+    write_markdown(report, stem.with_suffix(".md"))
+
+
 # -- the run ---------------------------------------------------------------------------------------
 
 
@@ -470,6 +475,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "targets": {},
         "sections": {},
     }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"serve_check_{device}{'_quick' if args.quick else ''}_{'_'.join(chosen)}"
     for name in chosen:
         section_started = time.perf_counter()
         print(f"[{name}] ...", flush=True)
@@ -485,13 +493,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"[{name}] {'ok' if section['ok'] else 'FAILED'} in {section['seconds']} s", flush=True
         )
         report["sections"][name] = section
-    report["total_s"] = time.perf_counter() - started
-    report["targets"] = judge(report)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"serve_check_{device}{'_quick' if args.quick else ''}_{'_'.join(chosen)}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
-    write_markdown(report, out_dir / f"{stem}.md")
+        report["total_s"] = time.perf_counter() - started
+        report["targets"] = judge(report)
+        write_report(report, out_dir / stem)  # after every section: a run cut short keeps them
     for name, verdict in report["targets"].items():
         print(f"targets [{name}]: {json.dumps(verdict)}")
     print(f"wrote {out_dir / stem}.json and .md")

@@ -46,11 +46,14 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = Path(os.environ.get("PDSERVE_GPU_WHEELS_DIR", ROOT / ".gpu_wheels"))
 DEVICE_DIR = Path(os.environ.get("PDSERVE_GPU_DIR", "/tmp/pdserve-gpu"))
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the default model's metadata alone (its tokenizer, for the dummy 8B shape; 2 MB against 98)
+TOKENIZER_FILE = "SmolLM2-135M-Instruct.tokenizer.gguf"
 RAY_VERSION = "2.60.0"
 # Ray's packages that serving never imports (Java jars, RL, data, serve, train, tune, llm)
 RAY_DROPPED = ("jars", "rllib", "data", "serve", "train", "tune", "llm")
@@ -64,9 +67,11 @@ PORTABLE = (
     "grpcio-health-checking==1.85.1",
     "grpcio-reflection==1.85.1",
     "protobuf==7.36.2",
+    "llguidance==1.9.1",  # abi3; engine/guided.py imports it with the engine
 )
 PER_PYTHON = ("grpcio==1.85.3", "rpds-py==2026.9.1")  # compiled for one Python
-PLATFORMS = (
+PLATFORMS = (  # the device's glibc is 2.39 (Ubuntu 24.04's Python 3.12.3); llguidance needs 2.31
+    "manylinux_2_31_x86_64",
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
     "manylinux_2_17_x86_64",
@@ -136,6 +141,28 @@ def _model_file() -> Path:
     return default_model_path()
 
 
+def _tokenizer_only(model: Path, out: Path) -> Path:
+    """A GGUF holding `model`'s metadata and no tensors: `--tokenizer default` needs no more."""
+    import gguf
+
+    if out.is_file():
+        return out
+    reader = gguf.GGUFReader(model)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out.with_suffix(".partial"), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the reader's own, and the writer's
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out.with_suffix(".partial").rename(out)
+    return out
+
+
 def _travelling_tree_bytes() -> int:
     """What travels with every call besides the carried paths: tracked and untracked-not-ignored
     files, plus pdserve_proto (carried in calls 3 and 4)."""
@@ -156,13 +183,15 @@ def build(python_version: str, part_mib: int) -> None:
         shutil.rmtree(old)
     downloads = OUT_DIR / "downloads"  # kept: a rebuild downloads nothing twice
     downloads.mkdir(parents=True, exist_ok=True)
-    files = [_model_file()]
-    files += _pip_download(PORTABLE, downloads, python_version)
+    files = _pip_download(PORTABLE, downloads, python_version)
     ray_wheel = _pip_download([f"ray=={RAY_VERSION}"], downloads, python_version)[0]
     slim = downloads / f"ray-{RAY_VERSION}-{ray_wheel.name.split('-')[2]}-slim.tar.xz"
     if not slim.is_file():
         _slim_ray(ray_wheel, slim)
     files += [slim, *_pip_download(PER_PYTHON, downloads, python_version)]
+    # the model last: part 1 alone serves the 8B shape (tokenizer only); the rest add the model
+    model = _model_file()
+    files += [_tokenizer_only(model, downloads / TOKENIZER_FILE), model]
     part_bytes = part_mib << 20
     parts: list[list[dict]] = [[]]
     used = 0
@@ -230,11 +259,11 @@ def stage(number: int) -> None:
     print(f"staged part {number} of {len(manifest['parts'])}: {len(have)} pieces in {target}")
 
 
-def _find_piece(name: str) -> Path:
+def _find_piece(name: str) -> Optional[Path]:
     for folder in [DEVICE_DIR / "parts", *sorted(OUT_DIR.glob("part-*"))]:
         if (folder / name).is_file():
             return folder / name
-    raise SystemExit(f"piece {name} is in no staged part: stage every part first (MANIFEST.json)")
+    return None
 
 
 def install() -> Path:
@@ -247,11 +276,20 @@ def install() -> Path:
         joined = files_dir / name
         if joined.is_file() and joined.stat().st_size == expected["bytes"]:
             continue
+        pieces = [
+            _find_piece(f"{name}.{piece['offset']:012d}")
+            for part in manifest["parts"]
+            for piece in part
+            if piece["file"] == name
+        ]
+        if None in pieces:
+            if name == MODEL_FILE:  # the 8B shape needs only the tokenizer
+                print(f"{name}: not every part is staged; serving the tokenizer-only GGUF")
+                continue
+            raise SystemExit(f"{name}: a piece is in no staged part: stage every part it spans")
         with open(joined, "wb") as out:
-            for part in manifest["parts"]:
-                for piece in part:
-                    if piece["file"] == name:
-                        out.write(_find_piece(f"{name}.{piece['offset']:012d}").read_bytes())
+            for piece in pieces:
+                out.write(piece.read_bytes())
         if _sha256(joined) != expected["sha256"]:
             joined.unlink()
             raise SystemExit(f"{name}: sha256 differs from the manifest (a part got corrupted)")
@@ -267,10 +305,17 @@ def install() -> Path:
     env = DEVICE_DIR / "env.sh"
     env.write_text(
         f"export PYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}}\n"
-        f"export PDSERVE_DEFAULT_MODEL={files_dir / MODEL_FILE}\n"
+        f"export PDSERVE_DEFAULT_MODEL={default_model_file()}\n"
     )
     print(f"installed {len(wheels)} wheels and Ray into {site}; source {env}")
     return env
+
+
+def default_model_file() -> Path:
+    """The installed default model, or its tokenizer alone while the model's parts are missing."""
+    files_dir = DEVICE_DIR / "files"
+    model = files_dir / MODEL_FILE
+    return model if model.is_file() else files_dir / TOKENIZER_FILE
 
 
 def main(argv=None) -> int:
@@ -278,7 +323,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="here: download and pack into .gpu_wheels/part-N")
     b.add_argument("--python-version", default="3.12", help="the device's (3.12.3 seen in 2026-11)")
-    b.add_argument("--part-mib", type=int, default=50, help="with the ~9 MiB tree, under 64 MiB")
+    b.add_argument("--part-mib", type=int, default=40, help="with the ~20 MiB tree, under 64 MiB")
     s = sub.add_parser("stage", help="device: keep part N outside the repo")
     s.add_argument("number", type=int)
     sub.add_parser("install", help="device: join, check, install; writes env.sh")
