@@ -7,10 +7,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_wheels import _tokenizer_only  # noqa: E402
-
 from engine.default_model import default_model_path  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
+from gpu_wheels import _tokenizer_only  # noqa: E402
 
 
 def test_the_tokenizer_only_gguf_tokenizes_as_the_model_does(tmp_path):
