@@ -27,6 +27,7 @@ import grpc
 from engine.block_manager import OutOfBlocksError
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvtransfer import cuda_ipc
 from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
 from protocol.addresses import host_port
@@ -66,7 +67,7 @@ class _Handoff:
     admission: Optional[_Admission] = None
     # set once the KV is ready and verified (the blocks are ours then)
     block_ids: Optional[list[int]] = None
-    # time.time() it became ready: reported on the first chunk
+    # time.time() its last layer group was installed: reported on the first chunk
     kv_ready_wall_s: Optional[float] = None
     unclaimed_deadline_s: float = 0.0
     decoding: bool = False
@@ -122,9 +123,11 @@ class DecodeWorker(ParkingEndpoints):
         return describe(self.engine, self.worker_id, self.role, self._kv_address())
 
     def _kv_address(self) -> Optional[str]:
-        """Where senders reach our KV receiver."""
+        """Where senders reach our KV receiver (host:port), or on which GPU (`cuda:<UUID>`)."""
         address = self.receiver.address
-        return None if address is None else _reachable(address)
+        if address is None or address.startswith(cuda_ipc.ADDRESS_PREFIX):
+            return address
+        return _reachable(address)
 
     # -- disaggregated path --------------------------------------------------------------------
 
@@ -186,8 +189,14 @@ class DecodeWorker(ParkingEndpoints):
         as soon as all are, so its sender frees the blocks; neither message passes through the
         router."""
         admission = _Admission(list(request.prompt_ids), request.first_token_id, request.params)
-        await self.loop.call(lambda: self._admit(request.request_id, admission))
-        if await self.deliver(request.deliveries) and request.acknowledge_to is not None:
+        # the KV is installed while the loop finishes its step: the admission waits for the loop,
+        # the delivery does not (it joins the batch when both are in, in either order)
+        admitted = self.loop.call(lambda: self._admit(request.request_id, admission))
+        try:
+            delivered = await self.deliver(request.deliveries)
+        finally:
+            await admitted
+        if delivered and request.acknowledge_to is not None:
             self._acknowledge(request.acknowledge_to, request.request_id)
 
     def _acknowledge(self, prefill, request_id: str) -> None:
@@ -302,7 +311,8 @@ class DecodeWorker(ParkingEndpoints):
         now = time.monotonic()
         for request_id, block_ids in events.ready.items():
             handoff = self._handoffs.setdefault(request_id, _Handoff(0.0))
-            handoff.block_ids, handoff.kv_ready_wall_s = block_ids, time.time()
+            handoff.block_ids = block_ids
+            handoff.kv_ready_wall_s = events.ready_wall_s.get(request_id, time.time())
             handoff.unclaimed_deadline_s = now + handoff.timeout_s
             self._start_if_complete(request_id, handoff)
         for request_id, error in events.failed:

@@ -106,10 +106,15 @@ class KVSender(ABC):
         `aborted`, tell the receiver where the transport can."""
 
     def _export(
-        self, held: HeldRequest, layers: slice
+        self,
+        held: HeldRequest,
+        layers: slice,
+        staging: Optional[BufferPool] = None,
+        checksum_of: Optional[Callable[[torch.Tensor], int]] = None,
     ) -> tuple[KVGroupHeader, torch.Tensor, torch.Tensor]:
-        """Copy a layer group into a staging buffer; returns (header, exported tensor, the buffer to
-        release once the payload has been shipped)."""
+        """Copy a layer group into a staging buffer (of `staging`, else the host pool) and take its
+        checksum (`checksum_of`, else the transport's); returns (header, exported tensor, the
+        buffer to release once the payload has been shipped)."""
         start, stop, step = layers.indices(self.layout.num_layers)
         if step != 1 or start >= stop:
             raise ValueError(f"layers must be a non-empty contiguous range, got {layers}")
@@ -120,7 +125,7 @@ class KVSender(ABC):
             )
         held.layers_sent |= sent
         num_bytes = group_payload_bytes(self.layout, stop - start, len(held.block_ids))
-        buffer = self._staging.acquire(num_bytes)
+        buffer = (staging or self._staging).acquire(num_bytes)
         data = self.cache.export_blocks(held.block_ids, slice(start, stop), out=buffer)
         header = KVGroupHeader(
             held.request_id,
@@ -131,7 +136,7 @@ class KVSender(ABC):
             stop,
             len(held.block_ids),
             num_bytes,
-            self._checksum(data),
+            (checksum_of or self._checksum)(data),
         )
         return header, data, buffer
 

@@ -2,8 +2,10 @@
 
 When a prefill and a decode worker share one GPU (fractional GPUs, or a serving check on one card),
 host staging copies every byte device -> pinned host -> object store -> device, at most ~27 GB/s on
-an H200, where CUDA IPC between two processes measured 221-861 GB/s. With `PDSERVE_KV_CUDA_IPC=1` in
-the workers' environment, a `ray` sender whose cache is on CUDA instead:
+an H200, where CUDA IPC between two processes measured 196-895 GB/s. A `ray` receiver whose cache is
+on a GPU advertises `cuda:<its GPU's UUID>` as its address (the router passes a decode worker's
+address to the prefill worker with each prompt); a sender whose cache is on that same GPU then, for
+that request:
   - gathers each layer group into a buffer on its device (a reused pool, like the host one), takes
     `device_checksum` of it there (the rdt transport's integrity rule for device memory), waits for
     the gather, and keeps the buffer until ack, abort or lease expiry (the contract of every
@@ -15,9 +17,10 @@ into a buffer of its own, verifies the checksum on that copy (so a buffer a send
 abort is caught, never installed) and installs it. A receiver on another GPU fails the request at
 the first message with an error naming both GPUs: nothing falls back silently.
 
-Fenced: off unless the environment variable is set, and both ends check the device. Tested on CPU
-with the IPC calls replaced (tests/test_kv_cuda_ipc.py); the CUDA IPC calls themselves run only on a
-GPU (scripts/gpu_serve_check.py's `8b_ipc` section).
+A request bound for another GPU, another node or a CPU cache is host-staged as before.
+`PDSERVE_KV_CUDA_IPC=0` in the workers' environment turns the device path off (every request
+host-staged). Tested on CPU with the IPC calls replaced (tests/test_kv_cuda_ipc.py); on an H200 by
+scripts/gpu_serve_check.py (its `8b_ipc` section against `8b`'s host staging).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import Optional
 
 import torch
 
-ENV = "PDSERVE_KV_CUDA_IPC"
+ENV = "PDSERVE_KV_CUDA_IPC"  # "0": off
+ADDRESS_PREFIX = "cuda:"
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,13 @@ def device_uuid(device: torch.device) -> Optional[str]:
 
 
 def enabled(device: torch.device) -> bool:
-    """The sender's choice: CUDA IPC for a cache on a GPU whose UUID is known, when asked for."""
-    return os.environ.get(ENV) == "1" and device.type == "cuda" and device_uuid(device) is not None
+    """CUDA IPC for a cache on a GPU whose UUID is known, unless turned off."""
+    return os.environ.get(ENV) != "0" and device.type == "cuda" and device_uuid(device) is not None
+
+
+def address(device: torch.device) -> Optional[str]:
+    """A receiver's address for senders on its GPU (`cuda:<UUID>`); None where it has none."""
+    return f"{ADDRESS_PREFIX}{device_uuid(device)}" if enabled(device) else None
 
 
 def share(buffer: torch.Tensor) -> tuple:

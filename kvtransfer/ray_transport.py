@@ -9,13 +9,14 @@ installs it. The sender keeps the ObjectRefs alive with its blocks until ack, ab
 if the sender's process dies, its objects die with it and the receiver's `ray.get` fails the
 request. Acks and aborts travel through the caller too: installed -> `sender.acknowledge` (in
 serving the decode worker calls the prefill worker's `acknowledge` itself; aborts come from the
-router). Between two workers on one GPU, `PDSERVE_KV_CUDA_IPC=1` keeps the payload on the device
-(kvtransfer/cuda_ipc.py): the delivery is then a `CudaIpcKVDelivery`.
+router). Between two workers on one GPU the payload stays on the device (kvtransfer/cuda_ipc.py):
+a request whose destination is the receiver's `cuda:<UUID>` address, on the sender's own GPU, is
+delivered as a `CudaIpcKVDelivery`; any other is host-staged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import ray
@@ -36,13 +37,25 @@ class RayKVDelivery:
     payload: ray.ObjectRef
 
 
+@dataclass
+class _Held:
+    """A request's transport state: whether it goes by CUDA IPC, and what it keeps alive until
+    released (ObjectRefs of host-staged groups, or the device buffers shared)."""
+
+    on_device: bool
+    kept: list = field(default_factory=list)
+
+
 class RayKVSender(KVSender):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         device = self.cache.kv.device
-        self._ipc_device_uuid = cuda_ipc.device_uuid(device) if cuda_ipc.enabled(device) else None
-        if self._ipc_device_uuid is not None:  # groups are gathered, and stay, on the device
-            self._staging = BufferPool(device=device)
+        # a receiver on this GPU advertises this address; groups for it are gathered, and stay, on
+        # the device
+        self._ipc_address = cuda_ipc.address(device)
+        if self._ipc_address is not None:
+            self._ipc_device_uuid = cuda_ipc.device_uuid(device)
+            self._device_staging = BufferPool(device=device)
 
     def start(
         self,
@@ -51,35 +64,39 @@ class RayKVSender(KVSender):
         destination: Optional[str] = None,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
-        self.ledger.hold(request_id, list(block_ids), lease_s).transport_state = []
+        on_device = self._ipc_address is not None and destination == self._ipc_address
+        self.ledger.hold(request_id, list(block_ids), lease_s).transport_state = _Held(on_device)
 
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> RayKVDelivery:
         held = self.ledger.get(request_id)
-        header, data, buffer = self._export(held, layers)
-        if self._ipc_device_uuid is not None:  # the buffer is the payload: kept until released
-            held.transport_state.append(buffer)
+        state: _Held = held.transport_state
+        if state.on_device:  # the buffer is the payload: kept until released
+            header, _, buffer = self._export(held, layers, self._device_staging, _device_checksum)
+            state.kept.append(buffer)
             handle = cuda_ipc.share(buffer[: header.payload_bytes])
             return cuda_ipc.CudaIpcKVDelivery(header.encode(), handle, self._ipc_device_uuid)
+        header, data, buffer = self._export(held, layers)
         try:
             ref = ray.put(as_bytes_view(data))
         finally:
             self._staging.release(buffer)
-        held.transport_state.append(ref)  # keeps the object alive until ack / abort / lease expiry
+        state.kept.append(ref)  # keeps the object alive until ack / abort / lease expiry
         return RayKVDelivery(header.encode(), ref)
 
-    def _checksum(self, data) -> int:
-        if self._ipc_device_uuid is None:
-            return super()._checksum(data)
-        from kvtransfer.rdt_transport import device_checksum  # waits for the gather: int()
-
-        return device_checksum(data.reshape(-1).view(torch.uint8))
-
     def _drop(self, held, aborted: bool) -> None:
-        if held is None or self._ipc_device_uuid is None:
+        if held is None or not held.transport_state.on_device:
             return
-        for buffer in held.transport_state:  # a receiver still reading one fails its checksum
-            self._staging.release(buffer)
-        held.transport_state.clear()
+        for buffer in held.transport_state.kept:  # a receiver still reading one fails its checksum
+            self._device_staging.release(buffer)
+        held.transport_state.kept.clear()
+
+
+def _device_checksum(data: torch.Tensor) -> int:
+    """The checksum a CUDA IPC receiver verifies on its copy, taken where the group lies (int():
+    waits for the gather)."""
+    from kvtransfer.rdt_transport import device_checksum
+
+    return device_checksum(data.reshape(-1).view(torch.uint8))
 
 
 class RayKVReceiver(KVReceiver):
@@ -87,6 +104,11 @@ class RayKVReceiver(KVReceiver):
         super().__init__(cache, allocator)
         self.get_timeout_s = get_timeout_s
         self._device_staging: Optional[BufferPool] = None  # CUDA IPC deliveries land here first
+
+    @property
+    def address(self) -> Optional[str]:
+        """`cuda:<GPU UUID>` for a cache on a GPU: a sender on that GPU shares its KV there."""
+        return cuda_ipc.address(self.cache.kv.device)
 
     def deliver(self, delivery: RayKVDelivery) -> bool:
         """Install one routed layer group; True once the request has all its layers. Raises a

@@ -42,16 +42,19 @@ class _Reservation:
     layers_arrived: list[bool]
     sender: Optional[tuple[str, int]] = None  # (sender id, epoch) bound at the first group
     ready: bool = False
+    ready_wall_s: Optional[float] = None  # time.time() its last group was installed
     error: Optional[KVTransferError] = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True)
 class ReceiverEvents:
-    """What `KVReceiver.poll` settled. `ready` maps request id -> block ids now owned by the caller;
-    `failed` requests' blocks were already freed."""
+    """What `KVReceiver.poll` settled. `ready` maps request id -> block ids now owned by the caller,
+    `ready_wall_s` request id -> time.time() its last layer group was installed (the handoff's end:
+    the poll may come a decode step later); `failed` requests' blocks were already freed."""
 
     ready: dict[str, list[int]] = field(default_factory=dict)
+    ready_wall_s: dict[str, float] = field(default_factory=dict)
     failed: tuple[tuple[str, KVTransferError], ...] = ()
 
 
@@ -217,6 +220,8 @@ class Reservations:
                 header.layer_stop - header.layer_start
             )
             reservation.ready = all(reservation.layers_arrived)
+            if reservation.ready:
+                reservation.ready_wall_s = time.time()
             return reservation.ready
 
     def fail(
@@ -254,6 +259,7 @@ class Reservations:
     def poll(self) -> ReceiverEvents:
         """Owner thread: hand over ready requests, free failed and expired ones."""
         ready: dict[str, list[int]] = {}
+        ready_wall_s: dict[str, float] = {}
         failed: list[tuple[str, KVTransferError]] = []
         now = self.clock()
         with self._lock:
@@ -262,6 +268,7 @@ class Reservations:
             with reservation.lock:
                 if reservation.ready:
                     ready[reservation.request_id] = reservation.block_ids
+                    ready_wall_s[reservation.request_id] = reservation.ready_wall_s
                 elif reservation.error is None and now >= reservation.deadline_s:
                     arrived = sum(reservation.layers_arrived)
                     reservation.error = ReservationExpiredError(
@@ -275,7 +282,7 @@ class Reservations:
                 if reservation.ready or reservation.error is not None:
                     with self._lock:
                         del self._by_request[reservation.request_id]
-        return ReceiverEvents(ready, tuple(failed))
+        return ReceiverEvents(ready, ready_wall_s, tuple(failed))
 
     def cancel_all(self) -> None:
         for request_id in list(self._by_request):

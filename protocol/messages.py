@@ -37,7 +37,9 @@ class WorkerInfo:
     worker_id: str
     role: str  # "prefill", "decode" or "colocated"
     node: str
-    kv_address: Optional[str]  # where KV senders reach this worker (grpc transport), else None
+    # where KV senders reach this worker: host:port (grpc), `cuda:<GPU UUID>` (ray, its cache on a
+    # GPU: senders on that GPU share their KV by CUDA IPC), else None
+    kv_address: Optional[str]
     kv_blocks_total: int
     # what this worker serves: the model's context, or less if its KV cache holds less
     max_context_tokens: int

@@ -41,12 +41,14 @@ class RenewRequest:
 class PrefillRequest:
     """Prefill worker: run the prompt, answer with its first token (`messages.PrefillResult`) and
     hand the request to the decode worker that reserved its KV: the KV to `destination` (grpc) or in
-    the `AdmitRequest` it sends `decode` itself (ray, rdt)."""
+    the `AdmitRequest` it sends `decode` itself (ray, rdt; ray by CUDA IPC when `destination` is
+    `cuda:<UUID>` of the prefill worker's own GPU)."""
 
     request_id: str
     prompt_ids: Sequence[int]
     params: Any  # engine.sampling_params.SamplingParams
-    destination: Optional[str]  # the decode worker's KV address (grpc transport), else None
+    # the decode worker's KV address: host:port (grpc), `cuda:<GPU UUID>` (ray on a GPU), or None
+    destination: Optional[str]
     skip_blocks: int = 0  # leading prompt blocks the decode worker reused: not sent
     # the decode worker's actor handle: its `admit` is called by the prefill worker, not the router
     decode: Any = None

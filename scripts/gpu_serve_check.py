@@ -6,10 +6,11 @@ KV handoff) on one GPU, driven by `pdserve bench`, disaggregated against colocat
     .venv/bin/python scripts/gpu_serve_check.py --device cpu --quick
         # the same path in seconds (CI)
 
-For each model section (`8b`: the Llama-3-8B shape with random weights in bf16, 1024 -> 128 tokens;
-`8b_ipc`, cuda only: the same, disaggregated, its KV handed off through CUDA IPC on the one GPU
-(kvtransfer/cuda_ipc.py) instead of host staging; `default`: the default model in fp32, whose greedy
-tokens through the system must equal the single-process engine's) it starts 1 prefill + 1 decode
+For each model section (`8b`: the Llama-3-8B shape with random weights in bf16, 1024 -> 128 tokens,
+its KV host-staged (PDSERVE_KV_CUDA_IPC=0); `8b_ipc`, cuda only: the same, disaggregated, its KV
+handed off through CUDA IPC on the one GPU (kvtransfer/cuda_ipc.py, the default there);
+`default`: the default model in fp32, whose greedy tokens through the system must equal the
+single-process engine's) it starts 1 prefill + 1 decode
 worker through pdserve.system.start_system (pd_policy remote, so every request hands its KV off),
 then colocated x2; warms each up, then runs `pdserve bench` (a subprocess, gRPC; gpu_serve_bench.py)
 at three request rates. Per rate: TTFT / TPOT / ITL percentiles, output tok/s, goodput (TTFT <= 500
@@ -26,22 +27,20 @@ start_system needs for the router: `--tokenizer default` serves (ids past its vo
 nothing).
 
 ## On the device machine (one H200; no Ray there, nothing reachable)
-Here, once: `flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/gpu_wheels.py build` (three parts
-of <= 50 MiB in .gpu_wheels/). Then four `run` calls back to back (a machine stays warm 30 s after a
-call; the parts stay on it between calls), about 12 device minutes in all:
+Here, once: `flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/gpu_wheels.py build` (parts of
+<= 40 MiB in .gpu_wheels/; part 1 alone serves the 8B shape). Then one `run` call (~5 device
+minutes with the machine's start; 2026-12-04: 8b 147 s, 8b_ipc 71 s, kv_handoff 15 s), carry
+[".gpu_wheels/part-1", "pdserve_proto"], timeout_s 560:
 
-  1. carry [".gpu_wheels/part-1"]: `python3 scripts/gpu_wheels.py stage 1`    (start 1-2 min; prints
-     the device's Python: if not the one built for, stop and rebuild with --python-version)
-  2. carry [".gpu_wheels/part-2"]: `python3 scripts/gpu_wheels.py stage 2`    (~10 s)
-  3. carry [".gpu_wheels/part-3", "pdserve_proto"], timeout_s 560: `python3 scripts/gpu_wheels.py
-     stage 3 && PYTHONUNBUFFERED=1 python3 scripts/gpu_serve_check.py --device cuda --sections
-     8b,8b_ipc --out-dir $OUT`                 (~5-6 min: install ~30 s; per system ~30 s to start,
-     a warm-up, 3 rates x 120 prompts (30 + 10 + 5 s) and their drains; 3 systems)
-  4. carry ["pdserve_proto"], timeout_s 420: `. /tmp/pdserve-gpu/env.sh && PYTHONUNBUFFERED=1
-     python3 scripts/gpu_serve_check.py --device cuda --sections default --out-dir $OUT && python3
-     scripts/gpu_check.py --device cuda --sections kv_handoff --out $OUT/h200_kv_handoff.json`
-                                               (~3 min: 2 systems, then #17's handoff figures)
-Copy what comes back into benchmarks/results/gpu/. Each section runs on a Ray node of its own.
+    python3 scripts/gpu_wheels.py stage 1 && python3 scripts/gpu_wheels.py install &&
+    . /tmp/pdserve-gpu/env.sh && export PDSERVE_GPU_INSTALLED=1 PYTHONUNBUFFERED=1 &&
+    python3 scripts/gpu_serve_check.py --device cuda --sections 8b --out-dir $OUT &&
+    python3 scripts/gpu_serve_check.py --device cuda --sections 8b_ipc --out-dir $OUT &&
+    python3 scripts/gpu_check.py --device cuda --sections kv_handoff --out $OUT/h200_kv_handoff.json
+
+The `default` section needs the whole model: stage parts 2-4 in calls of their own first (a machine
+stays warm 30 s after a call, and keeps what was staged). Copy what comes back into
+benchmarks/results/gpu/. Each section runs on a Ray node of its own.
 """
 
 from __future__ import annotations
@@ -83,7 +82,9 @@ class Plan:
     greedy_prompts: int  # chat prompts compared with the single-process engine (fp32 only)
     greedy_tokens: int
     modes: tuple[str, ...] = ("disaggregated", "colocated")
-    cuda_ipc: bool = False  # PDSERVE_KV_CUDA_IPC=1 for the workers (kvtransfer/cuda_ipc.py)
+    # the KV by CUDA IPC on the one GPU (kvtransfer/cuda_ipc.py), else host-staged
+    # (PDSERVE_KV_CUDA_IPC=0 for the workers)
+    cuda_ipc: bool = False
 
 
 GIB = 1 << 30
@@ -149,15 +150,13 @@ def ensure_installed() -> None:
 
 def init_ray(device: str, object_store_bytes: int, cuda_ipc: bool) -> None:
     """A local Ray node as pdserve.system.init_ray starts one, plus (cuda) two logical GPUs on one
-    card. Its workers inherit this process's environment: `cuda_ipc` sets PDSERVE_KV_CUDA_IPC=1
-    there."""
+    card. Its workers inherit this process's environment: without `cuda_ipc`,
+    PDSERVE_KV_CUDA_IPC=0 there (the KV host-staged)."""
     from kvtransfer.cuda_ipc import ENV
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every server on loopback
     os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
-    os.environ.pop(ENV, None)
-    if cuda_ipc:
-        os.environ[ENV] = "1"
+    os.environ[ENV] = "1" if cuda_ipc else "0"
     gpus = None
     if device == "cuda":
         os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # both see the one card

@@ -139,3 +139,22 @@ class KVEndWorker:
 
     def close(self) -> None:
         self.side.close()
+
+
+def one_fake_gpu(monkeypatch) -> dict:
+    """CPU tensors stand for one GPU's memory (kvtransfer/cuda_ipc.py on CPU): the GPU has a UUID,
+    `share` registers a buffer (returned: id -> buffer), `open_shared` returns it."""
+    from kvtransfer import cuda_ipc
+
+    shared: dict[int, torch.Tensor] = {}
+
+    def share(buffer):
+        shared[id(buffer)] = buffer
+        return (id(buffer),)
+
+    monkeypatch.delenv(cuda_ipc.ENV, raising=False)
+    monkeypatch.setattr(cuda_ipc, "enabled", lambda device: True)
+    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda device: "GPU-test")
+    monkeypatch.setattr(cuda_ipc, "share", share)
+    monkeypatch.setattr(cuda_ipc, "open_shared", lambda handle, device: shared[handle[0]])
+    return shared

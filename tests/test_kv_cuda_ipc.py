@@ -1,32 +1,22 @@
 """The `ray` transport's same-GPU path (kvtransfer/cuda_ipc.py) on CPU: the two CUDA IPC calls
 (share a device buffer, open it in another process) are replaced by a registry in this process, and
-the device is given a UUID; everything else (device staging, device checksum, the delivery, the UUID
-check, the copy and install, buffers held until ack) runs as it does on a GPU. The IPC calls
-themselves run only on a GPU: scripts/gpu_serve_check.py's `8b_ipc` section."""
+the device is given a UUID; everything else (the choice by the receiver's address, device staging,
+device checksum, the delivery, the UUID check, the copy and install, buffers held until ack) runs as
+it does on a GPU. The IPC calls themselves run only on a GPU: scripts/gpu_serve_check.py's `8b_ipc`
+section."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvtransfer import ChecksumError, TransferAbortedError, create_receiver, create_sender, cuda_ipc
-from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd
+from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd, one_fake_gpu
 
 
 @pytest.fixture
 def shared_on_one_device(monkeypatch):
-    """CPU tensors stand for one GPU's memory: `share` registers a buffer, `open_shared` returns
-    it."""
-    shared: dict[int, torch.Tensor] = {}
-
-    def share(buffer):
-        shared[id(buffer)] = buffer
-        return (id(buffer),)
-
-    monkeypatch.setenv(cuda_ipc.ENV, "1")
-    monkeypatch.setattr(cuda_ipc, "enabled", lambda device: True)
-    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda device: "GPU-test")
-    monkeypatch.setattr(cuda_ipc, "share", share)
-    monkeypatch.setattr(cuda_ipc, "open_shared", lambda handle, device: shared[handle[0]])
-    return shared
+    return one_fake_gpu(monkeypatch)
 
 
 def _pair():
@@ -36,11 +26,13 @@ def _pair():
     return sender_end, receiver_end, sender, receiver
 
 
-def _start(sender_end, sender, receiver, request_id: str, num_blocks: int = 5):
+def _start(sender_end, sender, receiver, request_id: str, num_blocks: int = 5, destination=""):
+    """`destination`: the receiver's own address unless given."""
     blocks = sender_end.allocator.allocate(num_blocks)
     sender_end.fill_random(blocks, seed=num_blocks)
     reserved = receiver.reserve(request_id, num_blocks, timeout_s=30)
-    sender.start(request_id, blocks, None, lease_s=30)
+    destination = receiver.address if destination == "" else destination
+    sender.start(request_id, blocks, destination, lease_s=30)
     return blocks, reserved
 
 
@@ -57,9 +49,9 @@ def test_same_device_handoff_is_bit_identical_and_frees_everything(shared_on_one
     assert readies[-1] and not any(readies[:-1])
     assert "r1" in receiver.poll().ready
     assert torch.equal(sender_end.blocks_bytes(blocks), receiver_end.blocks_bytes(reserved))
-    assert sender._staging._free == []  # held by the request until the ack
+    assert sender._device_staging._free == []  # held by the request until the ack
     sender.acknowledge("r1")
-    assert len(sender._staging._free) == len(LAYER_GROUPS[groups])  # back for the next one
+    assert len(sender._device_staging._free) == len(LAYER_GROUPS[groups])  # back for the next one
     receiver_end.allocator.free(reserved)
     assert sender_end.all_free and receiver_end.all_free
 
@@ -88,8 +80,11 @@ def test_a_buffer_changed_after_sending_is_caught_by_the_checksum(shared_on_one_
     assert sender_end.all_free and receiver_end.all_free
 
 
-def test_off_unless_asked_for(monkeypatch):
+def test_on_for_a_gpu_cache_unless_turned_off(monkeypatch):
+    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda device: "GPU-test")
+    gpu = SimpleNamespace(type="cuda")
     monkeypatch.delenv(cuda_ipc.ENV, raising=False)
-    assert not cuda_ipc.enabled(torch.device("cpu"))
-    monkeypatch.setenv(cuda_ipc.ENV, "1")
-    assert not cuda_ipc.enabled(torch.device("cpu"))  # a cache on the host: host staging
+    assert cuda_ipc.enabled(gpu) and cuda_ipc.address(gpu) == "cuda:GPU-test"
+    assert cuda_ipc.address(SimpleNamespace(type="cpu")) is None  # a cache on the host
+    monkeypatch.setenv(cuda_ipc.ENV, "0")
+    assert not cuda_ipc.enabled(gpu) and cuda_ipc.address(gpu) is None

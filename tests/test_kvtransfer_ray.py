@@ -27,7 +27,14 @@ from kvtransfer import (  # noqa: E402
 )
 from kvtransfer.ray_transport import RayKVDelivery  # noqa: E402
 from kvtransfer.wire import KVGroupHeader  # noqa: E402
-from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd, KVEndWorker  # noqa: E402
+from tests.kv_ends import (  # noqa: E402
+    FP32,
+    LAYER_GROUPS,
+    TOTAL_BLOCKS,
+    KVEnd,
+    KVEndWorker,
+    one_fake_gpu,
+)
 
 BF16 = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64, block_size_tokens=16, dtype="bfloat16")
 
@@ -236,3 +243,23 @@ def test_actors_sender_dies_mid_transfer_frees_reservation(local_ray, transport)
     finally:
         ray.get(decode.close.remote())
         ray.kill(decode)
+
+
+@pytest.mark.parametrize("destination", [None, "cuda:GPU-other", "127.0.0.1:5000"])
+def test_ray_a_request_bound_off_the_senders_gpu_is_host_staged(ray_pair, monkeypatch, destination):
+    """On one GPU the KV goes by CUDA IPC (tests/test_kv_cuda_ipc.py); bound for another GPU,
+    another node or a receiver on the host, the object store carries it."""
+    shared = one_fake_gpu(monkeypatch)
+    sender, receiver, sender_end, receiver_end = ray_pair()
+    assert receiver.address == "cuda:GPU-test"
+    blocks = sender_end.allocator.allocate(3)
+    sender_end.fill_random(blocks, seed=3)
+    reserved = receiver.reserve("r", 3, timeout_s=30)
+    sender.start("r", blocks, destination, lease_s=30)
+    delivery = sender.send_layers("r")
+    assert isinstance(delivery, RayKVDelivery) and not shared
+    assert receiver.deliver(delivery)
+    assert "r" in receiver.poll().ready
+    assert torch.equal(sender_end.blocks_bytes(blocks), receiver_end.blocks_bytes(reserved))
+    sender.acknowledge("r")
+    receiver_end.allocator.free(reserved)
