@@ -188,7 +188,6 @@ class DecodeWorker(ParkingEndpoints):
         installed here, in the same call, and acknowledged to `acknowledge_to` (the prefill worker)
         as soon as all are, so its sender frees the blocks; neither message passes through the
         router."""
-        _trace("admit", request.request_id, f"{_time.time():.6f}")
         admission = _Admission(list(request.prompt_ids), request.first_token_id, request.params)
         # the KV is installed while the loop finishes its step: the admission waits for the loop,
         # the delivery does not (it joins the batch when both are in, in either order)
@@ -439,13 +438,3 @@ def _reachable(address: str) -> str:
     if host in ("0.0.0.0", "[::]", "::"):
         host = node_ip_address()
     return host_port(host.strip("[]"), int(port))
-
-
-import os as _os  # noqa: E402
-import sys as _sys  # noqa: E402
-import time as _time  # noqa: E402
-
-
-def _trace(*parts):
-    if _os.environ.get("PDSERVE_KV_TRACE") == "1":
-        print("kvtrace", *parts, file=_sys.stderr, flush=True)

@@ -154,13 +154,10 @@ class RayKVReceiver(KVReceiver):
         buffer = self._device_staging.acquire(header.payload_bytes)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                t0 = _time.time()
                 local = buffer[: header.payload_bytes]
                 shared = cuda_ipc.open_shared(delivery.handle, device)
-                t1 = _time.time()
                 local.copy_(shared[: header.payload_bytes])
                 del shared
-                _trace("recv", header.request_id, f"{t0:.6f}", f"{t1:.6f}")
                 # written before it counts (the decode loop reads it on another stream) and before
                 # the buffer is reused or the sender acknowledged
                 return self.install(
@@ -170,15 +167,4 @@ class RayKVReceiver(KVReceiver):
                     settle=None if stream is None else stream.synchronize,
                 )
         finally:
-            _trace("installed", header.request_id, f"{_time.time():.6f}")
             self._device_staging.release(buffer)
-
-
-import os as _os  # noqa: E402
-import sys as _sys  # noqa: E402
-import time as _time  # noqa: E402
-
-
-def _trace(*parts):
-    if _os.environ.get("PDSERVE_KV_TRACE") == "1":
-        print("kvtrace", *parts, file=_sys.stderr, flush=True)

@@ -124,7 +124,6 @@ class PrefillWorker(ParkingEndpoints):
 
                 self._actor = ray.get_runtime_context().current_actor
             admission = dataclasses.replace(admission, acknowledge_to=self._actor)
-        _trace("handover", request.request_id, f"{_time.time():.6f}")
         call = request.decode.admit.remote(admission)
 
         async def admitted() -> None:
@@ -183,7 +182,6 @@ class PrefillWorker(ParkingEndpoints):
             destination = request.destination if request is not None else None
             self.sender.start(output.request_id, blocks, destination, self.kv_lease_s)
             delivery = self.sender.send_layers(output.request_id)
-            _trace("sent", output.request_id, f"{sent_wall_s:.6f}", f"{_time.time():.6f}")
             if request is not None:
                 admission = AdmitRequest(
                     output.request_id,
@@ -209,13 +207,3 @@ class PrefillWorker(ParkingEndpoints):
             else None,
         )
         return _Prefilled(result, admission)
-
-
-import os as _os  # noqa: E402
-import sys as _sys  # noqa: E402
-import time as _time  # noqa: E402
-
-
-def _trace(*parts):
-    if _os.environ.get("PDSERVE_KV_TRACE") == "1":
-        print("kvtrace", *parts, file=_sys.stderr, flush=True)
