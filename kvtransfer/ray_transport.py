@@ -16,7 +16,6 @@ delivered as a `CudaIpcKVDelivery`; any other is host-staged.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -147,24 +146,15 @@ class RayKVReceiver(KVReceiver):
             )
         if self._device_staging is None:
             self._device_staging = BufferPool(device=device)
-            # copied and installed on a stream of its own: not queued behind the decode step that
-            # runs meanwhile (on the default stream), which never reads reserved blocks
-            self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        stream = self._copy_stream
         buffer = self._device_staging.acquire(header.payload_bytes)
         try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                local = buffer[: header.payload_bytes]
-                shared = cuda_ipc.open_shared(delivery.handle, device)
-                local.copy_(shared[: header.payload_bytes])
-                del shared
-                # written before it counts (the decode loop reads it on another stream) and before
-                # the buffer is reused or the sender acknowledged
-                return self.install(
-                    header,
-                    local,
-                    payload_checksum=device_checksum(local),
-                    settle=None if stream is None else stream.synchronize,
-                )
+            local = buffer[: header.payload_bytes]
+            shared = cuda_ipc.open_shared(delivery.handle, device)
+            local.copy_(shared[: header.payload_bytes])
+            del shared
+            ready = self.install(header, local, payload_checksum=device_checksum(local))
+            if device.type == "cuda":  # installed before the buffer is reused or the sender acked
+                torch.cuda.current_stream(device).synchronize()
+            return ready
         finally:
             self._device_staging.release(buffer)

@@ -181,28 +181,18 @@ class Reservations:
             )
 
     def install(
-        self,
-        header: KVGroupHeader,
-        payload: Any,
-        payload_checksum: Optional[int] = None,
-        settle: Optional[Callable[[], None]] = None,
+        self, header: KVGroupHeader, payload: Any, payload_checksum: Optional[int] = None
     ) -> bool:
         """Any thread: verify one layer group and write it into the reserved blocks; True once the
         request has all its layers. On a checksum mismatch nothing is written and the request fails.
-        `payload_checksum` is the checksum a transport already computed while receiving, if any;
-        `settle` runs after the write, before the group counts as arrived (a transport that writes
-        on a CUDA stream of its own waits for it there)."""
+        `payload_checksum` is the checksum a transport already computed while receiving, if any."""
         try:
-            return self._install(header, payload, payload_checksum, settle)
+            return self._install(header, payload, payload_checksum)
         finally:
             self._notify()
 
     def _install(
-        self,
-        header: KVGroupHeader,
-        payload: Any,
-        payload_checksum: Optional[int],
-        settle: Optional[Callable[[], None]],
+        self, header: KVGroupHeader, payload: Any, payload_checksum: Optional[int]
     ) -> bool:
         reservation = self._get(header.request_id)
         actual = (
@@ -226,8 +216,6 @@ class Reservations:
                 payload_as_kv(payload, header),
                 header.layers,
             )
-            if settle is not None:
-                settle()
             reservation.layers_arrived[header.layer_start : header.layer_stop] = [True] * (
                 header.layer_stop - header.layer_start
             )
