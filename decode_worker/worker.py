@@ -312,7 +312,7 @@ class DecodeWorker(ParkingEndpoints):
         for request_id, block_ids in events.ready.items():
             handoff = self._handoffs.setdefault(request_id, _Handoff(0.0))
             handoff.block_ids = block_ids
-            handoff.kv_ready_wall_s = events.ready_wall_s.get(request_id, time.time())
+            handoff.kv_ready_wall_s = events.ready_wall_s[request_id]
             handoff.unclaimed_deadline_s = now + handoff.timeout_s
             self._start_if_complete(request_id, handoff)
         for request_id, error in events.failed:

@@ -159,7 +159,8 @@ class KVReceiver(Reservations, ABC):
 
     @property
     def address(self) -> Optional[str]:
-        """Where senders reach this receiver (grpc: host:port); None where deliveries are routed."""
+        """Where senders reach this receiver (grpc: host:port; ray on a GPU: `cuda:<GPU UUID>`, the
+        GPU a sender shares its KV on by CUDA IPC); None where deliveries are routed."""
         return None
 
     def deliver(self, delivery: KVDelivery) -> bool:

@@ -14,8 +14,9 @@ that request:
     Python values (it travels between the workers in a Ray call), and its GPU's UUID.
 The receiver opens the handle only if its own cache is on the GPU of that UUID, copies the group
 into a buffer of its own, verifies the checksum on that copy (so a buffer a sender reused after an
-abort is caught, never installed) and installs it. A receiver on another GPU fails the request at
-the first message with an error naming both GPUs: nothing falls back silently.
+abort is caught, never installed) and installs it. A delivery it cannot use (from another GPU than
+its own, or a handle that does not open: the sender gone, no shared IPC namespace) fails the
+request at once with an error that says why.
 
 A request bound for another GPU, another node or a CPU cache is host-staged as before.
 `PDSERVE_KV_CUDA_IPC=0` in the workers' environment turns the device path off (every request

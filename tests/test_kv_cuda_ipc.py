@@ -10,7 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtransfer import ChecksumError, TransferAbortedError, create_receiver, create_sender, cuda_ipc
+from kvtransfer import (
+    ChecksumError,
+    LeaseExpiredError,
+    TransferAbortedError,
+    create_receiver,
+    create_sender,
+    cuda_ipc,
+)
 from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEnd, one_fake_gpu
 
 
@@ -78,6 +85,38 @@ def test_a_buffer_changed_after_sending_is_caught_by_the_checksum(shared_on_one_
     assert "r3" in dict(receiver.poll().failed)
     sender.abort("r3")
     assert sender_end.all_free and receiver_end.all_free
+
+
+def test_a_handle_that_does_not_open_fails_the_request_at_once(shared_on_one_device, monkeypatch):
+    """The sender gone, no shared IPC namespace: torch raises; the request fails now, not when its
+    reservation expires."""
+    sender_end, receiver_end, sender, receiver = _pair()
+    _start(sender_end, sender, receiver, "r5")
+    delivery = sender.send_layers("r5")
+
+    def cannot_open(handle, device):
+        raise RuntimeError("CUDA error: invalid resource handle")
+
+    monkeypatch.setattr(cuda_ipc, "open_shared", cannot_open)
+    with pytest.raises(TransferAbortedError, match="could not be read.*invalid resource handle"):
+        receiver.deliver(delivery)
+    assert "r5" in dict(receiver.poll().failed)
+    sender.abort("r5")
+    assert sender_end.all_free and receiver_end.all_free
+
+
+def test_an_expired_lease_returns_the_shared_buffers(shared_on_one_device):
+    sender_end, receiver_end, sender, receiver = _pair()
+    blocks = sender_end.allocator.allocate(4)
+    reserved = receiver.reserve("r6", 4, timeout_s=30)
+    sender.start("r6", blocks, receiver.address, lease_s=0.0)
+    sender.send_layers("r6")
+    assert sender._device_staging._free == []
+    (failed,) = sender.poll().failed  # expired: its blocks and its shared buffer come back
+    assert failed[0] == "r6" and isinstance(failed[1], LeaseExpiredError) and sender_end.all_free
+    assert len(sender._device_staging._free) == 1
+    receiver.abort("r6")
+    assert receiver_end.all_free and reserved
 
 
 def test_on_for_a_gpu_cache_unless_turned_off(monkeypatch):
