@@ -1,8 +1,8 @@
 """A bf16 prompt's attention on CPU, by kernel, over a model's layers: the blocked matmuls, SDPA's
 causal flash kernel (nothing cached), the flash kernel merged with a cached context, and with AMX
-tiles the C flash-attention kernel (engine/model.py, engine/prefill_attention.py). `--engine` times
-instead the whole prefill of one prompt through LLMEngine with the AMX kernel off (the torch path)
-and on.
+tiles or AVX512-BF16 the C flash-attention kernel (engine/model.py, engine/prefill_attention.py).
+`--engine` times instead the whole prefill of one prompt through LLMEngine with the C kernel off
+(the torch path) and on.
 
     python -m benchmarks.prefill_attention_bench [--tokens 512 1024 2048] [--cached 16]
     python -m benchmarks.prefill_attention_bench --engine [--tokens 526] [--cached 16]
@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import engine.model
+from engine import prefill_attention
 from engine.model import Attention
-from engine.prefill_attention import load_amx_prefill
+from engine.prefill_attention import load_prefill_kernel
 
 
 class _Shape:  # SmolLM2-135M's attention
@@ -48,7 +49,7 @@ def _median_s(fn, repeats: int = 30, warmups: int = 3) -> float:
 
 def attention_alone(tokens: list[int], cached: int, layers: int) -> None:
     attention, s = _attention(), _Shape
-    amx = load_amx_prefill()
+    kernel = load_prefill_kernel()
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for n in tokens:
@@ -67,8 +68,10 @@ def attention_alone(tokens: list[int], cached: int, layers: int) -> None:
                         is_causal=True,
                         enable_gqa=True,
                     )
-                if amx is not None:
-                    kernels["amx flash"] = lambda: attention._amx_flash_attention(q, k, v)
+                if kernel is not None:
+                    kernels[f"{kernel.kind.name} flash"] = lambda: (
+                        attention._kernel_flash_attention(q, k, v)
+                    )
                 times = {
                     name: f"{_median_s(fn) * layers * 1000:.1f} ms" for name, fn in kernels.items()
                 }
@@ -79,7 +82,7 @@ def attention_alone(tokens: list[int], cached: int, layers: int) -> None:
 
 def whole_prefill(new_tokens: int, cached: int) -> None:
     """One prompt of `cached + new_tokens` tokens whose first `cached` (a shared prefix) hit the
-    prefix cache: the prefill step's median of 6 after 3 warm-ups, AMX kernel off and on."""
+    prefix cache: the prefill step's median of 6 after 3 warm-ups, the C kernel off and on."""
     from engine.config import EngineConfig
     from engine.dtypes import parse_dtype
     from engine.llm_engine import LLMEngine
@@ -91,7 +94,7 @@ def whole_prefill(new_tokens: int, cached: int) -> None:
     rng = random.Random(0)
     prefix = [rng.randrange(100, vocab) for _ in range(cached)]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    amx = load_amx_prefill()
+    c_kernel = load_prefill_kernel()
     for threads in (1, 2):
         llm = LLMEngine(
             EngineConfig(
@@ -114,12 +117,12 @@ def whole_prefill(new_tokens: int, cached: int) -> None:
             while not llm.step():
                 pass
 
-        for name, kernel in (("torch path", None), ("amx flash", amx)):
-            engine.model.load_amx_prefill = lambda kernel=kernel: kernel
+        for name, kernel in (("torch path", None), ("C kernel", c_kernel)):
+            engine.model.load_prefill_kernel = lambda kernel=kernel: kernel
             try:
                 ms = _median_s(prefill, repeats=6) * 1000
             finally:
-                engine.model.load_amx_prefill = load_amx_prefill
+                engine.model.load_prefill_kernel = load_prefill_kernel
             shape = f"prefill of {cached} cached + {new_tokens} new tokens"
             print(f"{threads} thread(s), {shape}, {name}: {ms:.1f} ms")
 
@@ -132,7 +135,8 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="time the whole prefill instead")
     args = parser.parse_args()
     capability = torch.backends.cpu.get_cpu_capability()
-    print(f"cpu capability {capability}, AMX {torch.cpu._is_amx_tile_supported()}")
+    kind = prefill_attention.kernel_kind()
+    print(f"cpu capability {capability}, C kernel {kind.name if kind else None}")
     if args.engine:
         for n in args.tokens:
             whole_prefill(n, args.cached)

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.fused_ops import fused_ops_for
-from engine.prefill_attention import load_amx_prefill
+from engine.prefill_attention import load_prefill_kernel
 
 if TYPE_CHECKING:
     from engine.paged_attention import PagedDecodeAttention
@@ -301,12 +301,12 @@ class Attention(nn.Module):
         out = torch.lerp(own[0].transpose(0, 1), context, context_share.to(q.dtype).unsqueeze(-1))
         return out.reshape(n, c.q_size)
 
-    def _amx_flash_attention(
+    def _kernel_flash_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """The same as `_blocked_attention`, in one call of the AMX flash-attention C kernel
-        (engine/prefill_attention.py), context or none."""
-        return load_amx_prefill()(q, k, v, self.scale)
+        """The same as `_blocked_attention`, in one call of the flash-attention C kernel for this
+        CPU (AMX or AVX512-BF16: engine/prefill_attention.py), context or none."""
+        return load_prefill_kernel()(q, k, v, self.scale)
 
 
 # bf16 prompts on CPUs without AMX run attention as blocked matmuls instead of SDPA's CPU flash
@@ -345,11 +345,11 @@ def _prefill_kernel(q: torch.Tensor, num_cached_tokens: int) -> Optional[Callabl
     (None: SDPA)."""
     if q.dtype != torch.bfloat16 or q.device.type != "cpu":
         return None
+    kernel = load_prefill_kernel()
+    if kernel is not None and kernel.supports(q):
+        return Attention._kernel_flash_attention
     if not _AMX:
         return Attention._blocked_attention
-    amx = load_amx_prefill()
-    if amx is not None and amx.supports(q):
-        return Attention._amx_flash_attention
     return Attention._flash_after_context_attention if num_cached_tokens else None
 
 

@@ -1,11 +1,17 @@
-"""Causal bf16 prefill attention on CPUs with AMX tiles: a flash-attention C kernel
-(engine/csrc/prefill_attention_amx.c) for head_dim 64, 2-6x as fast as SDPA's CPU flash kernel
-(engine/model.py, above `_PREFILL_BLOCK`, has the figures).
+"""Causal bf16 prefill attention on CPUs with AMX tiles or AVX512-BF16: a flash-attention C kernel
+for head_dim 64, one of two that share their packing, softmax and driver
+(engine/csrc/prefill_attention.h):
 
-Built and loaded like the paged decode-attention kernel (engine/paged_attention.py), with the AMX
+- with AMX (Intel Xeon, Sapphire Rapids on): engine/csrc/prefill_attention_amx.c, 2-6x as fast as
+  SDPA's CPU flash kernel;
+- with AVX512-BF16 and no AMX (AMD EPYC Zen 4 on): engine/csrc/prefill_attention_avx512.c, by
+  vdpbf16ps, against the blocked matmuls that path ran before (engine/model.py, above
+  `_PREFILL_BLOCK`, has the figures for both).
+
+Built and loaded like the paged decode-attention kernel (engine/paged_attention.py), with its ISA's
 flags for its own translation unit only, and the same switch (`PDSERVE_DISABLE_KERNELS=1`).
-`load_amx_prefill` answers None, and the model keeps its torch path, where the CPU lacks AMX
-(torch's own check), the compiler cannot build it, or Linux refuses the process the AMX state.
+`load_prefill_kernel` answers None, and the model keeps its torch path, where the CPU has neither
+(torch's own checks), the compiler cannot build it, or Linux refuses the process the AMX state.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -23,21 +30,54 @@ from engine.paged_attention import DISABLE_ENV, KernelBuildError, build
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "prefill_attention_amx.c"
-EXTRA_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16")
-HEAD_DIM = 64  # as in the C source
+HEAD_DIM = 64  # as in the C sources
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P] * 4 + [_I] * 8 + [ctypes.c_float, _I]
 
 
-class AmxPrefillAttention:
-    def __init__(self, library_path: Path):
+@dataclass(frozen=True)
+class KernelKind:
+    name: str  # as logs and benchmarks name it
+    source: Path
+    extra_flags: tuple[str, ...]
+    function: str
+    init: Optional[str] = None  # a function that must return 0 once per process
+
+
+AMX = KernelKind(
+    "amx",
+    Path(__file__).parent / "csrc" / "prefill_attention_amx.c",
+    ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16"),
+    "amx_prefill_attention_bf16",
+    init="amx_prefill_init",
+)
+AVX512_BF16 = KernelKind(
+    "avx512-bf16",
+    Path(__file__).parent / "csrc" / "prefill_attention_avx512.c",
+    ("-mavx512f", "-mavx512bf16"),
+    "avx512_prefill_attention_bf16",
+)
+
+
+def kernel_kind() -> Optional[KernelKind]:
+    """The kernel this CPU can run, by torch's own checks (None: neither)."""
+    if torch.cpu._is_amx_tile_supported():
+        return AMX
+    if torch.cpu._is_avx512_bf16_supported():
+        return AVX512_BF16
+    return None
+
+
+class PrefillAttention:
+    def __init__(self, kind: KernelKind, library_path: Path):
+        self.kind = kind
         lib = ctypes.CDLL(str(library_path))
-        init = lib.amx_prefill_init
-        init.argtypes, init.restype = [], ctypes.c_int
-        if init() != 0:
-            raise OSError("Linux refused this process the AMX tile state (arch_prctl)")
-        self._fn = lib.amx_prefill_attention_bf16
+        if kind.init is not None:
+            init = getattr(lib, kind.init)
+            init.argtypes, init.restype = [], ctypes.c_int
+            if init() != 0:
+                raise OSError("Linux refused this process the AMX tile state (arch_prctl)")
+        self._fn = getattr(lib, kind.function)
         self._fn.argtypes, self._fn.restype = _ARGTYPES, ctypes.c_int
 
     @staticmethod
@@ -71,17 +111,22 @@ class AmxPrefillAttention:
             torch.get_num_threads(),
         )
         if code:
-            raise RuntimeError(f"AMX prefill attention kernel failed (code {code})")
+            raise RuntimeError(
+                f"{self.kind.name} prefill attention kernel failed (code {code})"
+            )
         return out
 
 
 @lru_cache(maxsize=1)
-def load_amx_prefill() -> Optional[AmxPrefillAttention]:
+def load_prefill_kernel() -> Optional[PrefillAttention]:
     """The kernel for this process, or None (torch path)."""
-    if os.environ.get(DISABLE_ENV) == "1" or not torch.cpu._is_amx_tile_supported():
+    kind = kernel_kind()
+    if os.environ.get(DISABLE_ENV) == "1" or kind is None:
         return None
     try:
-        return AmxPrefillAttention(build(source=SOURCE, extra_flags=EXTRA_FLAGS))
+        return PrefillAttention(kind, build(source=kind.source, extra_flags=kind.extra_flags))
     except (KernelBuildError, OSError, AttributeError) as exc:
-        log.warning("AMX prefill attention kernel unavailable, using the torch path: %s", exc)
+        log.warning(
+            "%s prefill attention kernel unavailable, using the torch path: %s", kind.name, exc
+        )
         return None

@@ -1,5 +1,6 @@
-"""The AMX flash-attention prefill kernel (engine/csrc/prefill_attention_amx.c) against a float64
-reference, and the choice of prefill attention on CPUs with and without AMX."""
+"""The flash-attention prefill kernels (engine/csrc/prefill_attention_amx.c with AMX tiles,
+prefill_attention_avx512.c with AVX512-BF16) against a float64 reference, and the choice of prefill
+attention on CPUs with and without them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,20 @@ import torch
 
 from engine import disk_cache, model, prefill_attention
 from engine.model import Attention, _prefill_kernel
+from engine.paged_attention import build
 from tests.attention_shapes import attention_layer
 
 AMX = torch.cpu._is_amx_tile_supported()
+KIND = prefill_attention.kernel_kind()  # what this CPU takes (None: the torch path)
+# every kernel this CPU can run (an AMX CPU has AVX512-BF16 too)
+RUNNABLE = [
+    kind
+    for kind, supported in (
+        (prefill_attention.AMX, AMX),
+        (prefill_attention.AVX512_BF16, torch.cpu._is_avx512_bf16_supported()),
+    )
+    if supported
+]
 
 
 def _visible(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -46,8 +58,9 @@ _CASES += [(128, 512), (257, 31)]
 @pytest.mark.parametrize("num_tokens,num_cached", _CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1)])
 def test_bf16_prefill_attention_matches_float64(num_tokens, num_cached, num_heads, num_kv_heads):
-    """Whichever kernel this CPU picks for a bf16 prompt (on an AMX CPU, the AMX kernel), with q, k
-    and v as the model hands them over: views of the fused qkv projection, rows apart."""
+    """Whichever kernel this CPU picks for a bf16 prompt (AMX, else AVX512-BF16, else the blocked
+    matmuls), with q, k and v as the model hands them over: views of the fused qkv projection, rows
+    apart."""
     head_dim = 64
     g = torch.Generator().manual_seed(num_tokens * 1000 + num_cached)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -57,8 +70,8 @@ def test_bf16_prefill_attention_matches_float64(num_tokens, num_cached, num_head
     k = heads[:, num_heads : num_heads + num_kv_heads]
     v = heads[:, num_heads + num_kv_heads :]
     kernel = _prefill_kernel(q, num_cached)
-    if AMX:
-        assert kernel is Attention._amx_flash_attention
+    if KIND is not None:
+        assert kernel is Attention._kernel_flash_attention
     else:
         assert kernel is Attention._blocked_attention
     got = kernel(attention_layer(num_heads, num_kv_heads, head_dim), q, k, v)
@@ -78,11 +91,13 @@ def test_scores_that_keep_growing_along_the_keys(num_cached):
     v = torch.randn(num_cached + n, 3, 64, generator=g).bfloat16()
     got = _prefill_kernel(q, num_cached)(attention_layer(9, 3, 64), q, k, v)
     reference = _reference(q, k, v)
-    # The AMX kernel keeps its scores in fp32. The torch path of other CPUs gets them from a bf16
+    # The C kernels keep their scores in fp32. The torch path of other CPUs gets them from a bf16
     # matmul, rounded to bf16 (scores near 20 lose ~0.1): it is held to plain bf16 attention's
     # error.
     atol = (
-        2e-2 if AMX else max(2e-2, 1.25 * (_bf16_scores_attention(q, k, v) - reference).abs().max())
+        2e-2
+        if KIND is not None
+        else max(2e-2, 1.25 * (_bf16_scores_attention(q, k, v) - reference).abs().max())
     )
     torch.testing.assert_close(got.double(), reference, atol=atol, rtol=0)
 
@@ -98,7 +113,25 @@ def _bf16_scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 
 @pytest.mark.skipif(
-    not AMX, reason="the kernel itself runs only on AMX CPUs (fallbacks tested below)"
+    not RUNNABLE, reason="the kernels run only on AMX or AVX512-BF16 CPUs (fallbacks tested below)"
+)
+@pytest.mark.parametrize("kind", RUNNABLE, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("num_tokens,num_cached", [(1, 0), (100, 16), (257, 31), (77, 200)])
+def test_each_kernel_this_cpu_runs_matches_float64(kind, num_tokens, num_cached):
+    """Each kernel, not only the one chosen (an AMX CPU runs both)."""
+    g = torch.Generator().manual_seed(num_tokens)
+    q = torch.randn(num_tokens, 9, 64, generator=g).bfloat16()
+    k = torch.randn(num_cached + num_tokens, 3, 64, generator=g).bfloat16()
+    v = torch.randn(num_cached + num_tokens, 3, 64, generator=g).bfloat16()
+    kernel = prefill_attention.PrefillAttention(
+        kind, build(source=kind.source, extra_flags=kind.extra_flags)
+    )
+    got = kernel(q, k, v, 64**-0.5).double()
+    torch.testing.assert_close(got, _reference(q, k, v), atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(
+    KIND is None, reason="the kernels run only on AMX or AVX512-BF16 CPUs (fallbacks tested below)"
 )
 def test_a_wrong_mask_would_be_caught():
     """The tolerance is tight enough: attention over every key, future ones too, differs well
@@ -107,7 +140,7 @@ def test_a_wrong_mask_would_be_caught():
     q = torch.randn(100, 9, 64, generator=g).bfloat16()
     k = torch.randn(116, 3, 64, generator=g).bfloat16()
     v = torch.randn(116, 3, 64, generator=g).bfloat16()
-    got = prefill_attention.load_amx_prefill()(q, k, v, 64**-0.5).double()
+    got = prefill_attention.load_prefill_kernel()(q, k, v, 64**-0.5).double()
     torch.testing.assert_close(got, _reference(q, k, v), atol=2e-2, rtol=0)
     every_key = torch.nn.functional.scaled_dot_product_attention(
         *(t.double().transpose(0, 1) for t in (q, k, v)), enable_gqa=True, scale=64**-0.5
@@ -115,42 +148,44 @@ def test_a_wrong_mask_would_be_caught():
     assert (got - every_key.transpose(0, 1).reshape(100, -1)).abs().max() > 0.1
 
 
-def test_the_kernel_loads_exactly_where_the_cpu_has_amx(monkeypatch, tmp_path, caplog):
+def test_the_kernel_loads_exactly_where_the_cpu_has_amx_or_avx512_bf16(
+    monkeypatch, tmp_path, caplog
+):
     monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
-    prefill_attention.load_amx_prefill.cache_clear()
+    prefill_attention.load_prefill_kernel.cache_clear()
     try:
-        loaded = prefill_attention.load_amx_prefill()
-        assert (loaded is not None) == AMX
-        # a compiler that fails leaves the torch path, with a warning (on AMX CPUs)
+        loaded = prefill_attention.load_prefill_kernel()
+        assert (loaded.kind if loaded is not None else None) == KIND
+        assert KIND == (prefill_attention.AMX if AMX else RUNNABLE[0] if RUNNABLE else None)
+        # a compiler that fails leaves the torch path, with a warning (where there is a kernel)
         monkeypatch.setenv("CC", "false")
-        prefill_attention.load_amx_prefill.cache_clear()
+        prefill_attention.load_prefill_kernel.cache_clear()
         with caplog.at_level(logging.WARNING, logger="engine.prefill_attention"):
-            assert prefill_attention.load_amx_prefill() is None
-        assert ("using the torch path" in caplog.text) == AMX
+            assert prefill_attention.load_prefill_kernel() is None
+        assert ("using the torch path" in caplog.text) == (KIND is not None)
         monkeypatch.delenv("CC")
         monkeypatch.setenv(prefill_attention.DISABLE_ENV, "1")
-        prefill_attention.load_amx_prefill.cache_clear()
-        assert prefill_attention.load_amx_prefill() is None
+        prefill_attention.load_prefill_kernel.cache_clear()
+        assert prefill_attention.load_prefill_kernel() is None
     finally:
-        prefill_attention.load_amx_prefill.cache_clear()
+        prefill_attention.load_prefill_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("amx_cpu", [True, False])
 def test_without_the_kernel_prefill_keeps_the_torch_path(monkeypatch, amx_cpu):
-    """No kernel (no AMX, no compiler, switched off): the choice of before it, on either kind of
-    CPU; other dtypes and head sizes never take it."""
+    """No kernel (neither ISA, no compiler, switched off): the choice of before it, on either kind
+    of CPU; other dtypes and head sizes never take it."""
     monkeypatch.setattr(model, "_AMX", amx_cpu)
-    monkeypatch.setattr(model, "load_amx_prefill", lambda: None)
+    monkeypatch.setattr(model, "load_prefill_kernel", lambda: None)
     q = torch.zeros(8, 9, 64, dtype=torch.bfloat16)
     if amx_cpu:
         assert _prefill_kernel(q, 0) is None  # SDPA's causal flash kernel
         assert _prefill_kernel(q, 16) is Attention._flash_after_context_attention
     else:
         assert _prefill_kernel(q, 0) is _prefill_kernel(q, 16) is Attention._blocked_attention
-    monkeypatch.setattr(model, "_AMX", True)
-    monkeypatch.setattr(model, "load_amx_prefill", lambda: prefill_attention.AmxPrefillAttention)
-    assert _prefill_kernel(q, 16) is Attention._amx_flash_attention
+    monkeypatch.setattr(model, "load_prefill_kernel", lambda: prefill_attention.PrefillAttention)
+    assert _prefill_kernel(q, 16) is Attention._kernel_flash_attention
     assert _prefill_kernel(q.float(), 16) is None
     assert _prefill_kernel(torch.zeros(8, 9, 128, dtype=torch.bfloat16), 16) is not (
-        Attention._amx_flash_attention
+        Attention._kernel_flash_attention
     )
