@@ -322,7 +322,8 @@ class Attention(nn.Module):
 # core, 55 against 85 on two.
 # fp32 keeps SDPA, the path held token-identical to HF.
 # With AMX and head_dim 64, bf16 prompts take the AMX flash-attention C kernel instead, context or
-# none (engine/prefill_attention.py). Intel Xeon (AMX_BF16, get_cpu_capability AVX512), torch 2.13,
+# none (engine/prefill_attention.py), and the paths above are what runs without a kernel.
+# Intel Xeon (AMX_BF16, get_cpu_capability AVX512), torch 2.13,
 # 9/3 heads, 30 layers, median of 30, ms, SDPA flash (after 16 cached: flash after context) / AMX
 # kernel, `python -m benchmarks.prefill_attention_bench --tokens 128 512 1024 2048`:
 #   1 thread:  512 after 0: 46.1 / 16.1, after 16: 71.1 / 17.5; 1024: 135 / 58; 2048: 446 / 226
@@ -330,6 +331,10 @@ class Attention(nn.Module):
 #   128 after 512 cached: 56.8 / 9.1 (1 thread), 31.5 / 5.8 (2)
 # A whole 542-token prefill, 16 of them cached (`... --engine --tokens 526 --cached 16`, median of
 # 6, two runs): 261-264 -> 197-198 ms on one thread, 170 -> 135-136 ms on two. docs/benchmarks.md.
+# Without AMX but with AVX512-BF16 (AMD EPYC), bf16 prompts take the AVX512-BF16 flash kernel (the
+# same file). 526 tokens, 30 layers, median of 30, ms, blocked / kernel: after 0 cached 233.9 / 59.0
+# on one thread, 131.6 / 31.5 on two; after 16: 244.1 / 62.3 and 140.9 / 33.1. The whole prefill
+# (`--engine --tokens 526 --cached 16`): 765 -> 664 ms on one thread, 509 -> 411 on two.
 _PREFILL_BLOCK = 128
 _AMX = torch.cpu._is_amx_tile_supported()
 

@@ -111,9 +111,7 @@ class PrefillAttention:
             torch.get_num_threads(),
         )
         if code:
-            raise RuntimeError(
-                f"{self.kind.name} prefill attention kernel failed (code {code})"
-            )
+            raise RuntimeError(f"{self.kind.name} prefill attention kernel failed (code {code})")
         return out
 
 
