@@ -126,6 +126,51 @@ static inline __attribute__((always_inline)) int softmax_rows(
     return rescale;
 }
 
+/* One work item's state: its 16 query rows, `q_row_stride` elements apart (for the last item, with
+ * fewer rows left, `q_tail`: a zero-padded copy, so no load reads past q), the block's scores and P,
+ * O (fp32), and the online softmax's running maxima, partial sums and rescaling factors. */
+typedef struct {
+    _Alignas(64) uint16_t q_tail[Q_ROWS * HEAD_DIM];
+    _Alignas(64) float s[Q_ROWS * KEY_BLOCK];
+    _Alignas(64) uint16_t p[Q_ROWS * KEY_BLOCK];
+    _Alignas(64) float o[Q_ROWS * HEAD_DIM];
+    _Alignas(64) float sums[Q_ROWS * 16];
+    _Alignas(64) float row_max[Q_ROWS];
+    _Alignas(64) float alpha[Q_ROWS];
+    const uint16_t *q_rows;
+    int64_t q_row_stride, rows;
+} work_item;
+
+static inline void start_item(work_item *w, const uint16_t *q, int64_t q_stride, int64_t head,
+                              int64_t q0, int64_t n) {
+    w->rows = n - q0 < Q_ROWS ? n - q0 : Q_ROWS;
+    w->q_rows = q + q0 * q_stride + head * HEAD_DIM;
+    w->q_row_stride = q_stride;
+    if (w->rows < Q_ROWS) {
+        memset(w->q_tail, 0, sizeof w->q_tail);
+        for (int64_t r = 0; r < w->rows; r++)
+            memcpy(w->q_tail + r * HEAD_DIM, w->q_rows + r * q_stride, HEAD_DIM * 2);
+        w->q_rows = w->q_tail;
+        w->q_row_stride = HEAD_DIM;
+    }
+    for (int r = 0; r < Q_ROWS; r++) {
+        w->row_max[r] = -INFINITY;
+        _mm512_store_ps(w->sums + 16 * r, _mm512_setzero_ps());
+    }
+}
+
+/* The online softmax of key block `b`'s scores (`w->s`) into `w->p`; whether any row's O must be
+ * rescaled (by `w->alpha`). */
+static inline int softmax_block(work_item *w, int64_t b, int64_t num_cached, int64_t q0,
+                                float scale_log2) {
+    /* the first row's last visible key: every row sees all of an earlier block */
+    const int64_t first_row_visible = num_cached + q0 - b * KEY_BLOCK + 1;
+    return first_row_visible >= KEY_BLOCK
+               ? softmax_rows(w->s, w->p, w->row_max, w->sums, w->alpha, scale_log2, 0, 0, 0)
+               : softmax_rows(w->s, w->p, w->row_max, w->sums, w->alpha, scale_log2, 1,
+                              first_row_visible, w->rows);
+}
+
 /* O's rows [0, rows) (fp32 in `o`, 64 a row) divided by their sums of P, into `out` as bf16. */
 static inline void store_rows(const float *o, const float *sums, int64_t rows, int64_t q0,
                               int64_t head, int64_t num_heads, uint16_t *out) {

@@ -60,76 +60,51 @@ static void release_tiles(void) { _tile_release(); }
 static void attend_block(const uint16_t *q, int64_t q_stride, int64_t head, int64_t q0, int64_t n,
                          int64_t num_cached, const uint16_t *k_packed, const uint16_t *v_packed,
                          float scale_log2, uint16_t *out, int64_t num_heads) {
-    _Alignas(64) uint16_t q_tail[Q_ROWS * HEAD_DIM];
-    _Alignas(64) float s[Q_ROWS * KEY_BLOCK];
-    _Alignas(64) uint16_t p[Q_ROWS * KEY_BLOCK];
-    _Alignas(64) float o[Q_ROWS * HEAD_DIM];
-    _Alignas(64) float sums[Q_ROWS * 16];
-    _Alignas(64) float row_max[Q_ROWS], alpha[Q_ROWS];
-    const int64_t rows = n - q0 < Q_ROWS ? n - q0 : Q_ROWS;
-
-    const uint16_t *q_rows = q + q0 * q_stride + head * HEAD_DIM;
-    int64_t q_row_bytes = q_stride * 2;
-    if (rows < Q_ROWS) {  /* the last block: copy and zero-pad, so no tile row reads past q */
-        memset(q_tail, 0, sizeof q_tail);
-        for (int64_t r = 0; r < rows; r++)
-            memcpy(q_tail + r * HEAD_DIM, q_rows + r * q_stride, HEAD_DIM * 2);
-        q_rows = q_tail;
-        q_row_bytes = HEAD_DIM * 2;
-    }
-    for (int r = 0; r < Q_ROWS; r++) {
-        row_max[r] = -INFINITY;
-        _mm512_store_ps(sums + 16 * r, _mm512_setzero_ps());
-    }
+    work_item w;
+    start_item(&w, q, q_stride, head, q0, n);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     /* row r (query q0 + r) sees keys <= num_cached + q0 + r; padding rows as many as the last real one */
-    const int64_t last_key = num_cached + q0 + rows - 1;
+    const int64_t last_key = num_cached + q0 + w.rows - 1;
     const int64_t num_blocks = last_key / KEY_BLOCK + 1;
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint16_t *kb = k_packed + b * 4 * TILE_ELEMS;
         _tile_zero(4);
         _tile_zero(5);
-        _tile_loadd(6, q_rows, q_row_bytes);
+        _tile_loadd(6, w.q_rows, w.q_row_stride * 2);
         _tile_loadd(7, kb, 64);
         _tile_dpbf16ps(4, 6, 7);
         _tile_loadd(7, kb + 2 * TILE_ELEMS, 64);
         _tile_dpbf16ps(5, 6, 7);
-        _tile_loadd(6, q_rows + 32, q_row_bytes);
+        _tile_loadd(6, w.q_rows + 32, w.q_row_stride * 2);
         _tile_loadd(7, kb + 1 * TILE_ELEMS, 64);
         _tile_dpbf16ps(4, 6, 7);
         _tile_loadd(7, kb + 3 * TILE_ELEMS, 64);
         _tile_dpbf16ps(5, 6, 7);
-        _tile_stored(4, s, KEY_BLOCK * 4);
-        _tile_stored(5, s + 16, KEY_BLOCK * 4);
+        _tile_stored(4, w.s, KEY_BLOCK * 4);
+        _tile_stored(5, w.s + 16, KEY_BLOCK * 4);
 
-        const int64_t first_key = b * KEY_BLOCK;
-        /* the first row's last visible key: every row sees all of an earlier block */
-        const int64_t first_row_visible = num_cached + q0 - first_key + 1;
-        const int rescale = first_row_visible >= KEY_BLOCK
-                                ? softmax_rows(s, p, row_max, sums, alpha, scale_log2, 0, 0, 0)
-                                : softmax_rows(s, p, row_max, sums, alpha, scale_log2, 1,
-                                               first_row_visible, rows);
+        const int rescale = softmax_block(&w, b, num_cached, q0, scale_log2);
         if (rescale && b > 0) {  /* O's rows times alpha, through memory */
-            _tile_stored(0, o, HEAD_DIM * 4);
-            _tile_stored(1, o + 16, HEAD_DIM * 4);
-            _tile_stored(2, o + 32, HEAD_DIM * 4);
-            _tile_stored(3, o + 48, HEAD_DIM * 4);
+            _tile_stored(0, w.o, HEAD_DIM * 4);
+            _tile_stored(1, w.o + 16, HEAD_DIM * 4);
+            _tile_stored(2, w.o + 32, HEAD_DIM * 4);
+            _tile_stored(3, w.o + 48, HEAD_DIM * 4);
             for (int r = 0; r < Q_ROWS; r++) {
-                const __m512 a = _mm512_set1_ps(alpha[r]);
+                const __m512 a = _mm512_set1_ps(w.alpha[r]);
                 for (int j = 0; j < 4; j++)
-                    _mm512_store_ps(o + r * HEAD_DIM + 16 * j,
-                                    _mm512_mul_ps(_mm512_load_ps(o + r * HEAD_DIM + 16 * j), a));
+                    _mm512_store_ps(w.o + r * HEAD_DIM + 16 * j,
+                                    _mm512_mul_ps(_mm512_load_ps(w.o + r * HEAD_DIM + 16 * j), a));
             }
-            _tile_loadd(0, o, HEAD_DIM * 4);
-            _tile_loadd(1, o + 16, HEAD_DIM * 4);
-            _tile_loadd(2, o + 32, HEAD_DIM * 4);
-            _tile_loadd(3, o + 48, HEAD_DIM * 4);
+            _tile_loadd(0, w.o, HEAD_DIM * 4);
+            _tile_loadd(1, w.o + 16, HEAD_DIM * 4);
+            _tile_loadd(2, w.o + 32, HEAD_DIM * 4);
+            _tile_loadd(3, w.o + 48, HEAD_DIM * 4);
         }
         const uint16_t *vb = v_packed + b * 4 * TILE_ELEMS;
-        _tile_loadd(6, p, 64);
+        _tile_loadd(6, w.p, 64);
         _tile_loadd(7, vb, 64);
         _tile_dpbf16ps(0, 6, 7);
         _tile_loadd(7, vb + 1 * TILE_ELEMS, 64);
@@ -139,11 +114,11 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t head, int6
         _tile_loadd(7, vb + 3 * TILE_ELEMS, 64);
         _tile_dpbf16ps(3, 6, 7);
     }
-    _tile_stored(0, o, HEAD_DIM * 4);
-    _tile_stored(1, o + 16, HEAD_DIM * 4);
-    _tile_stored(2, o + 32, HEAD_DIM * 4);
-    _tile_stored(3, o + 48, HEAD_DIM * 4);
-    store_rows(o, sums, rows, q0, head, num_heads, out);
+    _tile_stored(0, w.o, HEAD_DIM * 4);
+    _tile_stored(1, w.o + 16, HEAD_DIM * 4);
+    _tile_stored(2, w.o + 32, HEAD_DIM * 4);
+    _tile_stored(3, w.o + 48, HEAD_DIM * 4);
+    store_rows(w.o, w.sums, w.rows, q0, head, num_heads, out);
 }
 
 /* Returns 0, or -1 (bad shape) / -2 (out of memory). */

@@ -27,30 +27,11 @@ static inline __m512bh pair_of(const uint16_t *at) {
 static void attend_block(const uint16_t *q, int64_t q_stride, int64_t head, int64_t q0, int64_t n,
                          int64_t num_cached, const uint16_t *k_packed, const uint16_t *v_packed,
                          float scale_log2, uint16_t *out, int64_t num_heads) {
-    _Alignas(64) uint16_t q_tail[Q_ROWS * HEAD_DIM];
-    _Alignas(64) float s[Q_ROWS * KEY_BLOCK];
-    _Alignas(64) uint16_t p[Q_ROWS * KEY_BLOCK];
-    _Alignas(64) float o[Q_ROWS * HEAD_DIM];
-    _Alignas(64) float sums[Q_ROWS * 16];
-    _Alignas(64) float row_max[Q_ROWS], alpha[Q_ROWS];
-    const int64_t rows = n - q0 < Q_ROWS ? n - q0 : Q_ROWS;
-
-    const uint16_t *q_rows = q + q0 * q_stride + head * HEAD_DIM;
-    int64_t q_row_stride = q_stride;
-    if (rows < Q_ROWS) {  /* the last block: copy and zero-pad, so no row reads past q */
-        memset(q_tail, 0, sizeof q_tail);
-        for (int64_t r = 0; r < rows; r++)
-            memcpy(q_tail + r * HEAD_DIM, q_rows + r * q_stride, HEAD_DIM * 2);
-        q_rows = q_tail;
-        q_row_stride = HEAD_DIM;
-    }
-    for (int r = 0; r < Q_ROWS; r++) {
-        row_max[r] = -INFINITY;
-        _mm512_store_ps(sums + 16 * r, _mm512_setzero_ps());
-    }
-    memset(o, 0, sizeof o);
+    work_item w;
+    start_item(&w, q, q_stride, head, q0, n);
+    memset(w.o, 0, sizeof w.o);
     /* row r (query q0 + r) sees keys <= num_cached + q0 + r; padding rows as many as the last real one */
-    const int64_t last_key = num_cached + q0 + rows - 1;
+    const int64_t last_key = num_cached + q0 + w.rows - 1;
     const int64_t num_blocks = last_key / KEY_BLOCK + 1;
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint16_t *kb = k_packed + b * 4 * TILE_ELEMS;
@@ -64,49 +45,45 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t head, int6
                     const __m512bh k0 = (__m512bh)_mm512_load_si512(keys0 + 32 * r);
                     const __m512bh k1 = (__m512bh)_mm512_load_si512(keys1 + 32 * r);
                     for (int i = 0; i < ROWS_AT_ONCE; i++) {
-                        const __m512bh dims = pair_of(q_rows + (r0 + i) * q_row_stride + 32 * c + 2 * r);
+                        const __m512bh dims =
+                            pair_of(w.q_rows + (r0 + i) * w.q_row_stride + 32 * c + 2 * r);
                         acc[i][0] = _mm512_dpbf16_ps(acc[i][0], dims, k0);
                         acc[i][1] = _mm512_dpbf16_ps(acc[i][1], dims, k1);
                     }
                 }
             }
             for (int i = 0; i < ROWS_AT_ONCE; i++) {
-                _mm512_store_ps(s + (r0 + i) * KEY_BLOCK, acc[i][0]);
-                _mm512_store_ps(s + (r0 + i) * KEY_BLOCK + 16, acc[i][1]);
+                _mm512_store_ps(w.s + (r0 + i) * KEY_BLOCK, acc[i][0]);
+                _mm512_store_ps(w.s + (r0 + i) * KEY_BLOCK + 16, acc[i][1]);
             }
         }
 
-        const int64_t first_key = b * KEY_BLOCK;
-        /* the first row's last visible key: every row sees all of an earlier block */
-        const int64_t first_row_visible = num_cached + q0 - first_key + 1;
-        const int rescale = first_row_visible >= KEY_BLOCK
-                                ? softmax_rows(s, p, row_max, sums, alpha, scale_log2, 0, 0, 0)
-                                : softmax_rows(s, p, row_max, sums, alpha, scale_log2, 1,
-                                               first_row_visible, rows);
+        const int rescale = softmax_block(&w, b, num_cached, q0, scale_log2);
         const uint16_t *vb = v_packed + b * 4 * TILE_ELEMS;
         for (int r0 = 0; r0 < Q_ROWS; r0 += ROWS_AT_ONCE) {
             __m512 acc[ROWS_AT_ONCE][4];
             for (int i = 0; i < ROWS_AT_ONCE; i++) {
-                const __m512 a = _mm512_set1_ps(rescale ? alpha[r0 + i] : 1.f);
+                const __m512 a = _mm512_set1_ps(rescale ? w.alpha[r0 + i] : 1.f);
                 for (int d = 0; d < 4; d++)
-                    acc[i][d] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + i) * HEAD_DIM + 16 * d), a);
+                    acc[i][d] =
+                        _mm512_mul_ps(_mm512_load_ps(w.o + (r0 + i) * HEAD_DIM + 16 * d), a);
             }
             for (int r = 0; r < 16; r++) {  /* pairs of keys */
                 __m512bh values[4];
                 for (int d = 0; d < 4; d++)
                     values[d] = (__m512bh)_mm512_load_si512(vb + d * TILE_ELEMS + 32 * r);
                 for (int i = 0; i < ROWS_AT_ONCE; i++) {
-                    const __m512bh keys = pair_of(p + (r0 + i) * KEY_BLOCK + 2 * r);
+                    const __m512bh keys = pair_of(w.p + (r0 + i) * KEY_BLOCK + 2 * r);
                     for (int d = 0; d < 4; d++)
                         acc[i][d] = _mm512_dpbf16_ps(acc[i][d], keys, values[d]);
                 }
             }
             for (int i = 0; i < ROWS_AT_ONCE; i++)
                 for (int d = 0; d < 4; d++)
-                    _mm512_store_ps(o + (r0 + i) * HEAD_DIM + 16 * d, acc[i][d]);
+                    _mm512_store_ps(w.o + (r0 + i) * HEAD_DIM + 16 * d, acc[i][d]);
         }
     }
-    store_rows(o, sums, rows, q0, head, num_heads, out);
+    store_rows(w.o, w.sums, w.rows, q0, head, num_heads, out);
 }
 
 /* Returns 0, or -1 (bad shape) / -2 (out of memory). */
