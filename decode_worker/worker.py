@@ -27,7 +27,6 @@ import grpc
 from engine.block_manager import OutOfBlocksError
 from engine.llm_engine import EngineConfig, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer import cuda_ipc
 from kvtransfer.errors import KVTransferError
 from kvtransfer.registry import create_receiver
 from protocol.addresses import host_port
@@ -125,9 +124,7 @@ class DecodeWorker(ParkingEndpoints):
     def _kv_address(self) -> Optional[str]:
         """Where senders reach our KV receiver (host:port), or on which GPU (`cuda:<UUID>`)."""
         address = self.receiver.address
-        if address is None or address.startswith(cuda_ipc.ADDRESS_PREFIX):
-            return address
-        return _reachable(address)
+        return None if address is None else _reachable(address)
 
     # -- disaggregated path --------------------------------------------------------------------
 
@@ -432,9 +429,9 @@ _ABORTED_UNKNOWN_KEEP_S = 30.0
 
 
 def _reachable(address: str) -> str:
-    """A bound host:port as others reach it: a wildcard bind is advertised as this node's
-    address."""
+    """A bound address as others reach it: a wildcard bind (host:port) is advertised as this
+    node's address; any other address as it is."""
     host, _, port = address.rpartition(":")
-    if host in ("0.0.0.0", "[::]", "::"):
-        host = node_ip_address()
-    return host_port(host.strip("[]"), int(port))
+    if host not in ("0.0.0.0", "[::]", "::"):
+        return address
+    return host_port(node_ip_address(), int(port))

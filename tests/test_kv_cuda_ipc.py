@@ -33,14 +33,30 @@ def _pair():
     return sender_end, receiver_end, sender, receiver
 
 
-def _start(sender_end, sender, receiver, request_id: str, num_blocks: int = 5, destination=""):
+def _start(
+    sender_end, sender, receiver, request_id: str, num_blocks: int = 5, destination="", lease_s=30
+):
     """`destination`: the receiver's own address unless given."""
     blocks = sender_end.allocator.allocate(num_blocks)
     sender_end.fill_random(blocks, seed=num_blocks)
     reserved = receiver.reserve(request_id, num_blocks, timeout_s=30)
     destination = receiver.address if destination == "" else destination
-    sender.start(request_id, blocks, destination, lease_s=30)
+    sender.start(request_id, blocks, destination, lease_s=lease_s)
     return blocks, reserved
+
+
+def _fails_at_once(request_id: str, break_delivery, error, match=None):
+    """A first delivery `break_delivery` spoils: the receiver raises `error` and reports the request
+    failed at once; after the sender's abort neither end holds a block."""
+    sender_end, receiver_end, sender, receiver = _pair()
+    _start(sender_end, sender, receiver, request_id)
+    delivery = sender.send_layers(request_id)
+    break_delivery(delivery)
+    with pytest.raises(error, match=match):
+        receiver.deliver(delivery)
+    assert request_id in dict(receiver.poll().failed)
+    sender.abort(request_id)
+    assert sender_end.all_free and receiver_end.all_free
 
 
 @pytest.mark.parametrize("groups", list(LAYER_GROUPS))
@@ -64,52 +80,37 @@ def test_same_device_handoff_is_bit_identical_and_frees_everything(shared_on_one
 
 
 def test_a_receiver_on_another_gpu_fails_at_the_first_message(shared_on_one_device, monkeypatch):
-    sender_end, receiver_end, sender, receiver = _pair()
-    _start(sender_end, sender, receiver, "r2")
-    delivery = sender.send_layers("r2")
-    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda device: "GPU-other")
-    with pytest.raises(TransferAbortedError, match="GPU-test.*GPU-other.*one GPU"):
-        receiver.deliver(delivery)
-    assert "r2" in dict(receiver.poll().failed)
-    sender.abort("r2")
-    assert sender_end.all_free and receiver_end.all_free
+    def move_the_receiver(delivery):
+        monkeypatch.setattr(cuda_ipc, "device_uuid", lambda device: "GPU-other")
+
+    _fails_at_once("r2", move_the_receiver, TransferAbortedError, "GPU-test.*GPU-other.*one GPU")
 
 
 def test_a_buffer_changed_after_sending_is_caught_by_the_checksum(shared_on_one_device):
-    sender_end, receiver_end, sender, receiver = _pair()
-    _start(sender_end, sender, receiver, "r3")
-    delivery = sender.send_layers("r3")
-    shared_on_one_device[delivery.handle[0]][7] ^= 0xFF  # a sender reusing it after an abort
-    with pytest.raises(ChecksumError):
-        receiver.deliver(delivery)
-    assert "r3" in dict(receiver.poll().failed)
-    sender.abort("r3")
-    assert sender_end.all_free and receiver_end.all_free
+    def reuse_the_buffer(delivery):  # as a sender reusing it after an abort
+        shared_on_one_device[delivery.handle[0]][7] ^= 0xFF
+
+    _fails_at_once("r3", reuse_the_buffer, ChecksumError)
 
 
 def test_a_handle_that_does_not_open_fails_the_request_at_once(shared_on_one_device, monkeypatch):
     """The sender gone, no shared IPC namespace: torch raises; the request fails now, not when its
     reservation expires."""
-    sender_end, receiver_end, sender, receiver = _pair()
-    _start(sender_end, sender, receiver, "r5")
-    delivery = sender.send_layers("r5")
 
     def cannot_open(handle, device):
         raise RuntimeError("CUDA error: invalid resource handle")
 
-    monkeypatch.setattr(cuda_ipc, "open_shared", cannot_open)
-    with pytest.raises(TransferAbortedError, match="could not be read.*invalid resource handle"):
-        receiver.deliver(delivery)
-    assert "r5" in dict(receiver.poll().failed)
-    sender.abort("r5")
-    assert sender_end.all_free and receiver_end.all_free
+    def lose_the_sender(delivery):
+        monkeypatch.setattr(cuda_ipc, "open_shared", cannot_open)
+
+    _fails_at_once(
+        "r5", lose_the_sender, TransferAbortedError, "could not be read.*invalid resource handle"
+    )
 
 
 def test_an_expired_lease_returns_the_shared_buffers(shared_on_one_device):
     sender_end, receiver_end, sender, receiver = _pair()
-    blocks = sender_end.allocator.allocate(4)
-    reserved = receiver.reserve("r6", 4, timeout_s=30)
-    sender.start("r6", blocks, receiver.address, lease_s=0.0)
+    _, reserved = _start(sender_end, sender, receiver, "r6", num_blocks=4, lease_s=0.0)
     sender.send_layers("r6")
     assert sender._device_staging._free == []
     (failed,) = sender.poll().failed  # expired: its blocks and its shared buffer come back

@@ -171,16 +171,18 @@ static inline int softmax_block(work_item *w, int64_t b, int64_t num_cached, int
                               first_row_visible, w->rows);
 }
 
-/* O's rows [0, rows) (fp32 in `o`, 64 a row) divided by their sums of P, into `out` as bf16. */
-static inline void store_rows(const float *o, const float *sums, int64_t rows, int64_t q0,
-                              int64_t head, int64_t num_heads, uint16_t *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sums + 16 * r)));
+/* The item's real rows of O (fp32 in `w->o`, 64 a row) divided by their sums of P, into `out` as
+ * bf16. */
+static inline void store_rows(const work_item *w, int64_t q0, int64_t head, int64_t num_heads,
+                              uint16_t *out) {
+    for (int64_t r = 0; r < w->rows; r++) {
+        const __m512 inv =
+            _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(w->sums + 16 * r)));
         uint16_t *dst = out + ((q0 + r) * num_heads + head) * HEAD_DIM;
         for (int j = 0; j < 4; j++)
             _mm256_storeu_si256((__m256i *)(dst + 16 * j),
-                                (__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_mul_ps(_mm512_load_ps(o + r * HEAD_DIM + 16 * j), inv)));
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                    _mm512_load_ps(w->o + r * HEAD_DIM + 16 * j), inv)));
     }
 }
 

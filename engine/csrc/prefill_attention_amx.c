@@ -118,7 +118,7 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t head, int6
     _tile_stored(1, w.o + 16, HEAD_DIM * 4);
     _tile_stored(2, w.o + 32, HEAD_DIM * 4);
     _tile_stored(3, w.o + 48, HEAD_DIM * 4);
-    store_rows(w.o, w.sums, w.rows, q0, head, num_heads, out);
+    store_rows(&w, q0, head, num_heads, out);
 }
 
 /* Returns 0, or -1 (bad shape) / -2 (out of memory). */

@@ -58,12 +58,12 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t head, int6
             }
         }
 
-        const int rescale = softmax_block(&w, b, num_cached, q0, scale_log2);
+        softmax_block(&w, b, num_cached, q0, scale_log2);  /* w.alpha: 1 where no max moved */
         const uint16_t *vb = v_packed + b * 4 * TILE_ELEMS;
         for (int r0 = 0; r0 < Q_ROWS; r0 += ROWS_AT_ONCE) {
             __m512 acc[ROWS_AT_ONCE][4];
             for (int i = 0; i < ROWS_AT_ONCE; i++) {
-                const __m512 a = _mm512_set1_ps(rescale ? w.alpha[r0 + i] : 1.f);
+                const __m512 a = _mm512_set1_ps(w.alpha[r0 + i]);
                 for (int d = 0; d < 4; d++)
                     acc[i][d] =
                         _mm512_mul_ps(_mm512_load_ps(w.o + (r0 + i) * HEAD_DIM + 16 * d), a);
@@ -83,7 +83,7 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t head, int6
                     _mm512_store_ps(w.o + (r0 + i) * HEAD_DIM + 16 * d, acc[i][d]);
         }
     }
-    store_rows(w.o, w.sums, w.rows, q0, head, num_heads, out);
+    store_rows(&w, q0, head, num_heads, out);
 }
 
 /* Returns 0, or -1 (bad shape) / -2 (out of memory). */
