@@ -32,7 +32,10 @@ The agreement is kept in lock files, one per core, in a directory every worker o
   the time each stream is ahead of `CorePolicy.tpot_budget_s` per token, less its next step), lends
   its home cores to the asker for at most that slack, and at most `max_pause_tpot` TPOT budgets at a
   time, then takes them back as above. So a prompt prefills on both cores while decoding streams
-  stay within the SLO.
+  stay within the SLO. The owner looks for an ask at every layer boundary of its decode step too
+  (a millisecond apart), not only between steps, and decides at most once per token, so no gap
+  between two tokens exceeds one pause and one step; the asking prefill waits up to `ask_wait_s`
+  for the lend before its first layer (a prefill layer on one thread takes tens of milliseconds).
 
 Lock calls are a few microseconds; a step is tens of milliseconds at least.
 """
@@ -79,6 +82,11 @@ class CorePolicy:
     # it (the longest gap between two tokens it adds).
     tpot_budget_s: Optional[float] = None
     max_pause_tpot: float = 4.0
+    # How long a prefill step that asks for busy cores waits for them before its first layer: a
+    # decoding owner looks at every layer boundary of its step (about a millisecond apart), and a
+    # prefill layer on one thread takes tens of milliseconds, so a lent core taken at the first
+    # layer boundary instead of the second is worth a short wait
+    ask_wait_s: float = 0.005
     # A stream lends while it is expected to end within this share of the budget: the rest is the
     # margin for pauses yet to come and for noise (at 0.9, TPOT p50 rose to 45 ms of 50 and a fifth
     # of the requests missed it; docs/benchmarks.md)
@@ -284,6 +292,7 @@ class CoreShare:
         if is_prefill and self.policy.tpot_budget_s is not None and not self._home_shared:
             # held for the whole step: an owner lends until it ends
             self._ask(sorted(self._lendable()))
+            self._await_lent(self.policy.ask_wait_s)
         if self._borrowed:
             self._use_threads(self.home_threads + len(self._borrowed))
             self.borrowed_steps += 1
@@ -291,11 +300,24 @@ class CoreShare:
             yield self._between_layers if self._borrowed or self._asks else None
         finally:
             self._ask([])
-            if self._borrowed:
-                self._use_threads(self.home_threads)
-                for core in self._borrowed:
-                    fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
-                self._borrowed = []
+            self._release_borrowed()
+
+    def _release_borrowed(self) -> None:
+        if self._borrowed:
+            self._use_threads(self.home_threads)  # fewer threads before the cores are free
+            for core in self._borrowed:
+                fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
+            self._borrowed = []
+
+    def _await_lent(self, wait_s: float) -> None:
+        """Takes the asked-for cores lent within `wait_s`, polling every `poll_s` / 10."""
+        deadline = time.monotonic() + wait_s
+        missing = [core for core in self._asks if core not in self._borrowed]
+        while missing and time.monotonic() < deadline:
+            time.sleep(self.policy.poll_s / 10)
+            taken = [core for core in missing if self._try_borrow(core)]
+            self._borrowed += taken
+            missing = [core for core in missing if core not in taken]
 
     def _between_layers(self) -> None:
         self._hand_back_wanted()
@@ -318,10 +340,12 @@ class CoreShare:
         self._asks = list(cores)
 
     def lend_within(self, slack_s: float, meanwhile: Callable[[], None] = lambda: None) -> float:
-        """Between two decode steps of a busy worker: if a prefill on the node asks for its home
-        cores, lends them for at most `slack_s` (what its streams can wait without missing the TPOT
-        budget) and at most `max_pause_tpot` budgets, or until nobody asks; then takes them back.
-        `meanwhile` runs every poll (the worker's calls and transport polls). Returns the pause."""
+        """Between two decode steps of a busy worker, or at a layer boundary of one: if a prefill
+        on the node asks for its home cores, lends them for at most `slack_s` (what its streams can
+        wait without missing the TPOT budget) and at most `max_pause_tpot` budgets, or until nobody
+        asks; then takes them back. Cores the step under way borrowed go back first (the step
+        resumes on its home threads). `meanwhile` runs every poll (the worker's calls and transport
+        polls). Returns the pause."""
         budget_s = self.policy.tpot_budget_s
         if budget_s is None or not self._holding_home or self._missing or self._home_shared:
             return 0.0
@@ -329,6 +353,7 @@ class CoreShare:
         if pause_s <= MIN_PAUSE_S or not self.asked():
             return 0.0
         started = time.monotonic()
+        self._release_borrowed()
         self.idle()
         while time.monotonic() - started < pause_s and self.asked():
             time.sleep(self.policy.poll_s)

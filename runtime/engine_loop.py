@@ -62,6 +62,10 @@ class EngineLoop:
         self.last_step_s = 0.0
         self.decode_steps = 0  # steps that decoded only (no prefill), and their total time
         self.decode_steps_s = 0.0
+        self._step_pauses_s = 0.0  # cores lent at layer boundaries of the step under way
+        # Whether lending the cores was decided on since the streams' last token: once per token,
+        # so no gap between two tokens is longer than one pause and one step
+        self._lending_decided = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -132,11 +136,8 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 if self.cores is not None:
                     self.cores.busy()
-                    # The streams' slack is worked out only when a prefill asks for the cores (a few
-                    # flock calls)
-                    slack_s = self._decode_slack_s() if self.cores.asked() else None
-                    if slack_s is not None:  # while lent, calls and transport polls still run
-                        self.cores.lend_within(slack_s, self._between_steps)
+                    # while lent, calls and transport polls still run
+                    self._lend_asked_cores(self._between_steps)
                 self._step()
             self._flush_channel()
             if not self.engine.has_unfinished():
@@ -144,6 +145,16 @@ class EngineLoop:
                     self.cores.idle()
                 self._wake.wait(self._busy_wait_s if self.expecting_events() else _IDLE_WAIT_S)
                 self._wake.clear()
+
+    def _lend_asked_cores(self, meanwhile: Callable[[], None]) -> float:
+        """Lends the home cores to a prefill that asks for them, within the decoding streams'
+        slack (`runtime.cores.CoreShare.lend_within`), deciding at most once per token. The slack
+        is worked out only when asked (a few flock calls). Returns the pause."""
+        if self._lending_decided or not self.cores.asked():
+            return 0.0
+        self._lending_decided = True
+        slack_s = self._decode_slack_s()
+        return 0.0 if slack_s is None else self.cores.lend_within(slack_s, meanwhile)
 
     def _decode_slack_s(self) -> Optional[float]:
         """How long the next decode step may wait with every running stream that can still meet its
@@ -183,18 +194,25 @@ class EngineLoop:
     @contextlib.contextmanager
     def _compute(self, batch) -> Iterator[Callable[[], None]]:
         """Wraps a step's forward pass: its cores (borrowed, asked for) and, between layers, the
-        calls that may run mid-step."""
-        with (
-            self.cores.step(batch.is_prefill)
-            if self.cores is not None
-            else contextlib.nullcontext()
-        ) as cores_hook:
+        calls that may run mid-step. A decode step also lends its cores at a layer boundary to a
+        prefill that asks for them (so the prefill need not wait for the step to end), within its
+        streams' slack like a pause between steps."""
+        cores = self.cores
+        lends_mid_step = (
+            cores is not None and not batch.is_prefill and cores.policy.tpot_budget_s is not None
+        )
+        step = cores.step(batch.is_prefill) if cores is not None else contextlib.nullcontext()
+        with step as hook:
 
             def between_layers() -> None:
-                if cores_hook is not None:
-                    cores_hook()
+                if hook is not None:
+                    hook()
                 if not self._mid_step_calls.empty():
                     self._run_calls(self._mid_step_calls)
+                if lends_mid_step:
+                    self._step_pauses_s += self._lend_asked_cores(
+                        lambda: self._run_calls(self._mid_step_calls)
+                    )
 
             yield between_layers
 
@@ -215,6 +233,7 @@ class EngineLoop:
         running = len(scheduler.running)
         self.max_batch_size_seen = max(self.max_batch_size_seen, running)
         started = time.monotonic()
+        self._step_pauses_s = 0.0
         try:
             outputs = self.engine.step(self._compute)
         except Exception as error:
@@ -226,7 +245,9 @@ class EngineLoop:
                 self.engine.abort(request_id)
                 self.publish(request_id, error)
             return
-        self.last_step_s = time.monotonic() - started
+        # its compute time: a pause lending the cores mid-step is not the step's
+        self.last_step_s = time.monotonic() - started - self._step_pauses_s
+        self._lending_decided = False
         if not self.engine.last_step_was_prefill:
             self.decode_steps += 1
             self.decode_steps_s += self.last_step_s

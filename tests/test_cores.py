@@ -207,6 +207,34 @@ def test_a_decoding_worker_lends_its_core_to_an_asking_prefill_within_its_slack_
     assert prefill.calls == [2, 1]
 
 
+def test_a_prefill_step_waits_briefly_for_a_core_lent_at_once_and_starts_on_it(node):
+    """A decoding owner looks at every layer boundary, so a lend comes within a millisecond or so;
+    a prefill step that asks waits up to `ask_wait_s` for it and runs its first layer on both
+    cores. An owner that does not lend costs it that wait only."""
+    prefill = node(lend="all", tpot_budget_s=0.05, ask_wait_s=2.0)
+    decoder = node(lend="all", tpot_budget_s=0.05)
+    decoder.busy()
+
+    def lend_when_asked():
+        deadline = time.monotonic() + 5
+        while not decoder.asked() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        decoder.lend_within(1.0)
+
+    lending = threading.Thread(target=lend_when_asked)
+    lending.start()
+    with prefill.step(is_prefill=True):
+        assert prefill.threads == 2 and prefill.calls == [2]
+    lending.join(5)
+    assert not lending.is_alive() and decoder.lent_pauses == 1
+    prefill.close()  # its home core goes to the next one
+    waiting = node(lend="all", tpot_budget_s=0.05, ask_wait_s=0.05)
+    started = time.monotonic()
+    with waiting.step(is_prefill=True):
+        assert waiting.threads == 1  # the decoder is busy and lends nothing
+    assert 0.05 <= time.monotonic() - started < 2
+
+
 def test_a_pause_ends_when_the_prefill_step_ends_and_no_budget_means_no_pause(node):
     prefill, decoder = node(lend="all", tpot_budget_s=0.5), node(lend="all", tpot_budget_s=0.5)
     decoder.busy()

@@ -4,6 +4,7 @@ asks for its cores (the TPOT slack). The loop's thread is stopped first, so the 
 by hand."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -79,3 +80,68 @@ def test_the_slack_is_what_the_youngest_stream_can_spare_and_none_with_prompt_wo
     assert loop._decode_slack_s() == pytest.approx(expected, abs=0.005)
     seq.arrival_time_s = time.monotonic() - 10  # far behind its budget: it misses whatever happens
     assert loop._decode_slack_s() is None
+
+
+def _decoding(loop):
+    """The loop's engine decoding one fresh stream (slack to lend), its home cores held."""
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    loop.engine.add_request("a", list(range(1, 20)), params)
+    while loop.engine.scheduler.waiting or not loop.decode_steps:
+        loop._step()
+    loop.engine.scheduler.running[0].arrival_time_s = time.monotonic()
+    loop.cores.busy()
+
+
+def _take_lent_core(prefill, between_layers):
+    deadline = time.monotonic() + 5
+    while prefill.threads == 1:
+        assert time.monotonic() < deadline, "the lent core was never taken"
+        time.sleep(0.002)
+        between_layers()
+
+
+def test_a_decode_step_lends_its_cores_at_a_layer_boundary_and_its_time_leaves_the_pause_out(
+    stopped_loop, tmp_path
+):
+    """A prefill that asks for a decoding worker's cores mid-step gets them at the step's next layer
+    boundary, not at its end; the pause is not the step's compute time (the mean decode step the
+    slack is worked out from)."""
+    loop = stopped_loop(tpot_budget_s=0.5)  # pauses up to 2 s: the test's own stalls fit
+    _decoding(loop)
+    prefill = CoreShare(CorePolicy("all", str(tmp_path), tpot_budget_s=0.5), 1, lambda n: None, 2)
+    try:
+        with prefill.step(is_prefill=True) as between_layers:
+            started = time.monotonic()
+            stepping = threading.Thread(target=loop._step)
+            stepping.start()
+            _take_lent_core(prefill, between_layers)
+            time.sleep(0.2)  # the prefill computes on both cores
+        stepping.join(5)
+        wall_s = time.monotonic() - started
+    finally:
+        prefill.close()
+    assert not stepping.is_alive()
+    assert loop.cores.lent_pauses == 1 and loop.cores.lent_pauses_s >= 0.2
+    assert loop.last_step_s < wall_s - 0.2
+
+
+def test_a_decoding_worker_decides_on_lending_once_per_token(stopped_loop, tmp_path):
+    """No gap between two tokens is longer than one pause and one step: a prefill asking again
+    within the same decode step gets nothing until the step's token is out."""
+    loop = stopped_loop(tpot_budget_s=0.5)
+    _decoding(loop)
+    prefill = CoreShare(CorePolicy("all", str(tmp_path), tpot_budget_s=0.5), 1, lambda n: None, 2)
+    try:
+        with loop._compute(loop.engine.scheduler.schedule()) as decode_layers:
+            with prefill.step(is_prefill=True) as between_layers:
+                lending = threading.Thread(target=decode_layers)
+                lending.start()
+                _take_lent_core(prefill, between_layers)
+            lending.join(5)  # nobody asks any more: the pause ended
+            assert not lending.is_alive() and loop.cores.lent_pauses == 1
+            with prefill.step(is_prefill=True):
+                assert loop.cores.asked()
+                decode_layers()  # the same step: no second pause
+                assert loop.cores.lent_pauses == 1
+    finally:
+        prefill.close()
