@@ -9,6 +9,12 @@
   layouts run the same kernel, bit-identical. Below 16 rows the sums' order differs from
   `F.linear`'s in the last bits, which greedy decoding does not see (the HF comparisons in tests/
   hold).
+- bf16 decode batches (under `BF16_DECODE_MAX_ROWS` rows) on AVX512-BF16 cores run
+  engine/csrc/decode_linear_bf16.c (`vdpbf16ps`) on a second copy of each weight in panels of 16
+  outputs (`bf16_decode_panels`): a model's linears at 1-4 rows take 11-12 ms against oneDNN's
+  18-22 on one thread of an AMD EPYC AVX512-BF16 core (`benchmarks/decode_linear_bench.py --dtype
+  bfloat16`, docs/benchmarks.md), at 8 rows 20.5 against 23.2, from 12 rows on oneDNN is as fast
+  or faster. Prefill chunks keep oneDNN's packed weight.
 - fp32 on an AVX2-only core (no AVX-512): MKL's and oneDNN's kernels for 2-16 rows ran at a third to
   two thirds of the core's memory speed there. Decode batches of 1 to `DECODE_KERNEL_MAX_ROWS` - 1
   rows run engine/csrc/decode_linear.c on a second copy of each weight laid out in panels of 16
@@ -65,7 +71,12 @@ def transposing_supported(dtype: torch.dtype, device: torch.device | str) -> boo
 # from 64 rows on (prefill chunks) MKL on the transposed weight serves
 DECODE_KERNEL_MAX_ROWS = 64
 DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear.c"
-_TILE_OUTPUTS = 16  # the kernel's tile width: a layer's outputs must be a multiple of it
+_TILE_OUTPUTS = 16  # the kernels' tile width: a layer's outputs must be a multiple of it
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+BF16_DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear_bf16.c"
+# from 9 rows on oneDNN's packed weight serves: at 12 it was as fast or faster on this kind's EPYC
+# (docs/benchmarks.md)
+BF16_DECODE_MAX_ROWS = 9
 
 
 def decode_linear_supported() -> bool:
@@ -95,29 +106,31 @@ def panels_fit(weight_t: torch.Tensor) -> bool:
 
 
 class DecodeLinear:
-    """`__call__(x, panels, bias)`: `x @ weight_t + bias` for fp32 decode batches, through the C
-    kernel, from the weight's `decode_panels`."""
+    """`__call__(x, panels, bias)`: `x @ weight.T + bias` for decode batches, through a C kernel
+    (`decode_linear_f32` on fp32 `decode_panels`, `decode_linear_bf16` on bf16
+    `bf16_decode_panels`)."""
 
-    def __init__(self, library_path: Path):
-        fn = ctypes.CDLL(str(library_path)).decode_linear_f32
+    def __init__(self, library_path: Path, dtype: torch.dtype = torch.float32):
+        fn = getattr(ctypes.CDLL(str(library_path)), f"decode_linear_{_SUFFIXES[dtype]}")
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
         fn.restype = ctypes.c_int
         self._fn = fn
+        self.dtype = dtype
 
     def __call__(
         self, x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor]
     ) -> torch.Tensor:
         x = x if x.stride(1) == 1 else x.contiguous()
-        tiles, inner, width = panels.shape
-        out = torch.empty(x.shape[0], tiles * width, dtype=torch.float32)
+        outputs = panels.shape[0] * _TILE_OUTPUTS
+        out = torch.empty(x.shape[0], outputs, dtype=self.dtype)
         code = self._fn(
             x.data_ptr(),
             panels.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             x.shape[0],
-            inner,
-            tiles * width,
+            x.shape[1],
+            outputs,
             x.stride(0),
             out.stride(0),
             torch.get_num_threads(),
@@ -140,8 +153,45 @@ def load_decode_linear() -> Optional[DecodeLinear]:
         return None
 
 
+def bf16_decode_linear_supported() -> bool:
+    """Whether bf16 decode batches take engine/csrc/decode_linear_bf16.c: on CPUs with
+    AVX512_BF16."""
+    return torch.cpu._is_avx512_bf16_supported() and os.environ.get(KERNELS_DISABLE_ENV) != "1"
+
+
+def bf16_decode_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A weight `[out, in]` laid out for the bf16 kernel, `[out / 16, in / 2, 16, 2]`: per panel of
+    16 outputs, each pair of inputs' 16 x 2 weights side by side."""
+    outer, inner = weight.shape
+    return (
+        weight.view(outer // _TILE_OUTPUTS, _TILE_OUTPUTS, inner // 2, 2)
+        .transpose(1, 2)
+        .contiguous()
+    )
+
+
+@lru_cache(maxsize=1)
+def load_bf16_decode_linear() -> Optional[DecodeLinear]:
+    """The bf16 kernel for this process, or None (oneDNN serves every batch) where it is not wanted
+    or cannot be built."""
+    if not bf16_decode_linear_supported():
+        return None
+    try:
+        return DecodeLinear(build(source=BF16_DECODE_LINEAR_SOURCE), torch.bfloat16)
+    except (KernelBuildError, OSError) as exc:
+        log.warning("bf16 decode linear kernel unavailable, oneDNN serves decode batches: %s", exc)
+        return None
+
+
 class PackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        decode: Optional[DecodeLinear] = None,
+    ):
+        """`decode`: batches under `BF16_DECODE_MAX_ROWS` rows through the bf16 kernel, on panels
+        made here (where the weight fits them)."""
         super().__init__()
         self.out_features = weight.shape[0]
         # The batch-size hint 1 favours decode; larger batches run as fast as with F.linear.
@@ -151,8 +201,14 @@ class PackedLinear(nn.Module):
             persistent=False,
         )
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        fits = weight.shape[0] % _TILE_OUTPUTS == 0 and weight.shape[1] % 2 == 0
+        self.decode = decode if fits else None
+        panels = bf16_decode_panels(weight.detach()) if self.decode is not None else None
+        self.register_buffer("weight_panels", panels, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decode is not None and x.shape[0] < BF16_DECODE_MAX_ROWS:
+            return self.decode(x, self.weight_panels, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

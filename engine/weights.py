@@ -17,9 +17,11 @@ import torch
 from engine import disk_cache
 from engine.config import NAMED_SHAPES, ModelConfig
 from engine.cpu_packing import (
+    PackedLinear,
     TransposedLinear,
     decode_panels_shape,
     linear_slots,
+    load_bf16_decode_linear,
     load_decode_linear,
     pack_linears,
     packing_supported,
@@ -226,7 +228,8 @@ def build_model(
 
 def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) -> LlamaModel:
     if packing_supported(dtype, device):
-        pack_linears(model)
+        decode = load_bf16_decode_linear()  # asked once for every layer
+        pack_linears(model, lambda weight, bias: PackedLinear(weight, bias, decode))
     elif transposing_supported(dtype, device):
         decode = load_decode_linear()  # asked once for every layer
         pack_linears(model, lambda weight, bias: TransposedLinear(weight, bias, decode))
