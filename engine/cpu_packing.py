@@ -43,7 +43,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from engine.paged_attention import DISABLE_ENV as KERNELS_DISABLE_ENV, KernelBuildError, build
+from engine.paged_attention import (
+    DISABLE_ENV as KERNELS_DISABLE_ENV,
+    DTYPE_SUFFIXES,
+    KernelBuildError,
+    build,
+)
 
 DISABLE_ENV = "PDSERVE_DISABLE_PACKING"
 log = logging.getLogger(__name__)
@@ -72,7 +77,6 @@ def transposing_supported(dtype: torch.dtype, device: torch.device | str) -> boo
 DECODE_KERNEL_MAX_ROWS = 64
 DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear.c"
 _TILE_OUTPUTS = 16  # the kernels' tile width: a layer's outputs must be a multiple of it
-_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 BF16_DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear_bf16.c"
 # from 9 rows on oneDNN's packed weight serves: at 12 it was as fast or faster on this kind's EPYC
 # (docs/benchmarks.md)
@@ -111,7 +115,7 @@ class DecodeLinear:
     `bf16_decode_panels`)."""
 
     def __init__(self, library_path: Path, dtype: torch.dtype = torch.float32):
-        fn = getattr(ctypes.CDLL(str(library_path)), f"decode_linear_{_SUFFIXES[dtype]}")
+        fn = getattr(ctypes.CDLL(str(library_path)), f"decode_linear_{DTYPE_SUFFIXES[dtype]}")
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
         fn.restype = ctypes.c_int
         self._fn = fn

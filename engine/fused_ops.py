@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from engine.paged_attention import DISABLE_ENV, KernelBuildError, build
+from engine.paged_attention import DISABLE_ENV, DTYPE_SUFFIXES, KernelBuildError, build
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,6 @@ _SIGNATURES = {
     "silu_mul": [_P, _P, _I, _I, _I],
     "rope": [_P, _I, _P, _P, _P, _I, _I, _I, _I],
 }
-_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
@@ -51,7 +50,7 @@ class FusedOps:
         lib = ctypes.CDLL(str(library_path))
         self._kernels = {}
         for name, argtypes in _SIGNATURES.items():
-            for dtype, suffix in _SUFFIXES.items():
+            for dtype, suffix in DTYPE_SUFFIXES.items():
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 self._kernels[name, dtype] = fn
@@ -120,7 +119,7 @@ class FusedOps:
 
 def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
     """The fused kernels for a contiguous bf16 or fp32 CPU activation, else None (torch's ops)."""
-    if x.dtype not in _SUFFIXES or x.device.type != "cpu":
+    if x.dtype not in DTYPE_SUFFIXES or x.device.type != "cpu":
         return None
     return load_fused_ops()
 

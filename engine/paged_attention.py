@@ -49,6 +49,8 @@ CFLAGS = (
 # `omp simd` vectorization, single-threaded.
 OPENMP_FLAGS = (("-fopenmp",), ("-fopenmp-simd",))
 MAX_HEAD_DIM = 256  # as in the C source
+# The suffix of a C kernel's function for each dtype it serves (e.g. `silu_mul_bf16`)
+DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _FUNCTIONS = {
     torch.bfloat16: "paged_decode_attention_bf16",
     torch.float32: "paged_decode_attention_f32",

@@ -309,25 +309,27 @@ class CoreShare:
                 fcntl.flock(self._core_fds[core], fcntl.LOCK_UN)
             self._borrowed = []
 
-    def _await_lent(self, wait_s: float) -> None:
-        """Takes the asked-for cores lent within `wait_s`, polling every `poll_s` / 10."""
-        deadline = time.monotonic() + wait_s
-        missing = [core for core in self._asks if core not in self._borrowed]
-        while missing and time.monotonic() < deadline:
-            time.sleep(self.policy.poll_s / 10)
-            taken = [core for core in missing if self._try_borrow(core)]
-            self._borrowed += taken
-            missing = [core for core in missing if core not in taken]
-
-    def _between_layers(self) -> None:
-        self._hand_back_wanted()
+    def _take_lent(self) -> list[int]:
+        """Borrows each asked-for core that is lent now; returns those."""
         taken = [
             core for core in self._asks if core not in self._borrowed and self._try_borrow(core)
         ]
-        if taken:
-            if not self._borrowed:
+        self._borrowed += taken
+        return taken
+
+    def _await_lent(self, wait_s: float) -> None:
+        """Takes the asked-for cores lent within `wait_s`, polling every `poll_s` / 10."""
+        deadline = time.monotonic() + wait_s
+        while set(self._asks) - set(self._borrowed) and time.monotonic() < deadline:
+            time.sleep(self.policy.poll_s / 10)
+            self._take_lent()
+
+    def _between_layers(self) -> None:
+        self._hand_back_wanted()
+        borrowing = bool(self._borrowed)
+        if self._take_lent():
+            if not borrowing:
                 self.borrowed_steps += 1
-            self._borrowed += taken
             self._use_threads(self.home_threads + len(self._borrowed))
 
     def _ask(self, cores: list[int]) -> None:

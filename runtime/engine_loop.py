@@ -204,15 +204,16 @@ class EngineLoop:
         step = cores.step(batch.is_prefill) if cores is not None else contextlib.nullcontext()
         with step as hook:
 
+            def run_mid_step_calls() -> None:
+                if not self._mid_step_calls.empty():
+                    self._run_calls(self._mid_step_calls)
+
             def between_layers() -> None:
                 if hook is not None:
                     hook()
-                if not self._mid_step_calls.empty():
-                    self._run_calls(self._mid_step_calls)
-                if lends_mid_step:
-                    self._step_pauses_s += self._lend_asked_cores(
-                        lambda: self._run_calls(self._mid_step_calls)
-                    )
+                run_mid_step_calls()
+                if lends_mid_step:  # while lent, the mid-step calls still run
+                    self._step_pauses_s += self._lend_asked_cores(run_mid_step_calls)
 
             yield between_layers
 
