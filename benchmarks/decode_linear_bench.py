@@ -1,7 +1,7 @@
-"""A model's linears at decode batch sizes, in one process. fp32: MKL on the transposed weights,
-oneDNN on its packed copies, and engine/csrc/decode_linear.c on panels (engine/cpu_packing.py);
-bf16 (`--dtype bfloat16`, AVX512-BF16 CPUs): oneDNN on its packed copies (the prefill's path) and
-engine/csrc/decode_linear_bf16.c on its panels.
+"""A model's linears at decode batch sizes (or prefill chunks: `--rows 512`), in one process. fp32:
+MKL on the transposed weights, oneDNN on its packed copies, and engine/csrc/decode_linear.c on
+panels (engine/cpu_packing.py); bf16 (`--dtype bfloat16`, AVX512-BF16 CPUs): oneDNN on its packed
+copies (the path where AMX is) and engine/csrc/decode_linear_bf16.c on its panels.
 
 The shapes are the default model's (SmolLM2-135M: per layer q/k/v 576 -> 960, o 576 -> 576, gate/up
 576 -> 3072, down 1536 -> 576, 30 layers, and the tied head 576 -> 49152), random weights; each

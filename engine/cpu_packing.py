@@ -1,6 +1,7 @@
 """Linear layers laid out once at load time for the CPU's matmul kernels.
 
-- bf16: pre-packed for oneDNN (its blocked weight layout). `F.linear` re-lays out a bf16 weight for
+- bf16 where oneDNN multiplies (no AVX512_BF16 kernel; with AMX, prefill chunks): pre-packed for
+  oneDNN (its blocked weight layout). `F.linear` re-lays out a bf16 weight for
   oneDNN on every call; packing once makes the small-batch matmuls of decode about 2x faster here
   (lm_head at batch 1: 3.2 -> 1.8 ms) and is bit-identical to `F.linear` in bf16.
 - fp32: the weight transposed (`[in, out]`, contiguous) and multiplied as `x @ weight_t`. For 3-15
@@ -9,12 +10,14 @@
   layouts run the same kernel, bit-identical. Below 16 rows the sums' order differs from
   `F.linear`'s in the last bits, which greedy decoding does not see (the HF comparisons in tests/
   hold).
-- bf16 decode batches (under `BF16_DECODE_MAX_ROWS` rows) on AVX512-BF16 cores run
-  engine/csrc/decode_linear_bf16.c (`vdpbf16ps`) on a second copy of each weight in panels of 16
-  outputs (`bf16_decode_panels`): a model's linears at 1-4 rows take 11-12 ms against oneDNN's
-  18-22 on one thread of an AMD EPYC AVX512-BF16 core (`benchmarks/decode_linear_bench.py --dtype
-  bfloat16`, docs/benchmarks.md), at 8 rows 20.5 against 23.2, from 12 rows on oneDNN is as fast
-  or faster. Prefill chunks keep oneDNN's packed weight.
+- bf16 on AVX512-BF16 cores: engine/csrc/decode_linear_bf16.c (`vdpbf16ps`) on the weight laid
+  out in panels of 16 outputs (`bf16_decode_panels`). On one thread of an AMD EPYC AVX512-BF16 core
+  a model's linears take 10.5 against oneDNN's 20.4 ms at 1 row, 16.8 against 23.2 at 8, 45.5
+  against 52.1 at 32 and 486 against 515 at 512 (a prefill chunk), so where the core has no AMX
+  tiles the kernel serves every batch and no oneDNN copy is kept (`benchmarks/
+  decode_linear_bench.py --dtype bfloat16`, docs/benchmarks.md). Where AMX is (not measured),
+  oneDNN's packed weight serves batches from `AMX_KERNEL_MAX_ROWS` rows, prefill chunks among them,
+  and the kernel the decode batches under it. Either way the kernel's rows are batch-invariant.
 - fp32 on an AVX2-only core (no AVX-512): MKL's and oneDNN's kernels for 2-16 rows ran at a third to
   two thirds of the core's memory speed there. Decode batches of 1 to `DECODE_KERNEL_MAX_ROWS` - 1
   rows run engine/csrc/decode_linear.c on a second copy of each weight laid out in panels of 16
@@ -78,9 +81,8 @@ DECODE_KERNEL_MAX_ROWS = 64
 DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear.c"
 _TILE_OUTPUTS = 16  # the kernels' tile width: a layer's outputs must be a multiple of it
 BF16_DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear_bf16.c"
-# from 9 rows on oneDNN's packed weight serves: at 12 it was as fast or faster on this kind's EPYC
-# (docs/benchmarks.md)
-BF16_DECODE_MAX_ROWS = 9
+# where the CPU has AMX tiles, oneDNN's packed weight serves batches from this many rows on
+AMX_KERNEL_MAX_ROWS = 9
 
 
 def decode_linear_supported() -> bool:
@@ -158,9 +160,15 @@ def load_decode_linear() -> Optional[DecodeLinear]:
 
 
 def bf16_decode_linear_supported() -> bool:
-    """Whether bf16 decode batches take engine/csrc/decode_linear_bf16.c: on CPUs with
-    AVX512_BF16."""
+    """Whether bf16 linears take engine/csrc/decode_linear_bf16.c (`bf16_kernel_max_rows` says
+    which batches): on CPUs with AVX512_BF16."""
     return torch.cpu._is_avx512_bf16_supported() and os.environ.get(KERNELS_DISABLE_ENV) != "1"
+
+
+def bf16_kernel_max_rows() -> Optional[int]:
+    """The rows from which oneDNN's packed weight serves a bf16 batch instead of the kernel; None:
+    the kernel serves every batch (no AMX)."""
+    return AMX_KERNEL_MAX_ROWS if torch.cpu._is_amx_tile_supported() else None
 
 
 def bf16_decode_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -192,27 +200,30 @@ class PackedLinear(nn.Module):
         self,
         weight: torch.Tensor,
         bias: Optional[torch.Tensor],
-        decode: Optional[DecodeLinear] = None,
+        kernel: Optional[DecodeLinear] = None,
     ):
-        """`decode`: batches under `BF16_DECODE_MAX_ROWS` rows through the bf16 kernel, on panels
-        made here (where the weight fits them)."""
+        """`kernel`: the bf16 kernel, on panels made here (where the weight fits them), for the
+        batches `bf16_kernel_max_rows` gives it; oneDNN's packed weight, made only where some
+        batches need it, for the rest."""
         super().__init__()
         self.out_features = weight.shape[0]
-        # The batch-size hint 1 favours decode; larger batches run as fast as with F.linear.
-        self.register_buffer(
-            "packed_weight",
-            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
-            persistent=False,
-        )
-        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         fits = weight.shape[0] % _TILE_OUTPUTS == 0 and weight.shape[1] % 2 == 0
-        self.decode = decode if fits else None
-        panels = bf16_decode_panels(weight.detach()) if self.decode is not None else None
+        self.kernel = kernel if fits else None
+        panels = bf16_decode_panels(weight.detach()) if self.kernel is not None else None
         self.register_buffer("weight_panels", panels, persistent=False)
+        self.kernel_max_rows = bf16_kernel_max_rows() if self.kernel is not None else 0
+        # The batch-size hint 1 favours decode; larger batches run as fast as with F.linear.
+        packed = (
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            if self.kernel_max_rows is not None
+            else None
+        )
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode is not None and x.shape[0] < BF16_DECODE_MAX_ROWS:
-            return self.decode(x, self.weight_panels, self.bias)
+        if self.kernel_max_rows is None or x.shape[0] < self.kernel_max_rows:
+            return self.kernel(x, self.weight_panels, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

@@ -228,8 +228,8 @@ def build_model(
 
 def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) -> LlamaModel:
     if packing_supported(dtype, device):
-        decode = load_bf16_decode_linear()  # asked once for every layer
-        pack_linears(model, lambda weight, bias: PackedLinear(weight, bias, decode))
+        kernel = load_bf16_decode_linear()  # asked once for every layer
+        pack_linears(model, lambda weight, bias: PackedLinear(weight, bias, kernel))
     elif transposing_supported(dtype, device):
         decode = load_decode_linear()  # asked once for every layer
         pack_linears(model, lambda weight, bias: TransposedLinear(weight, bias, decode))

@@ -216,13 +216,14 @@ def test_fp32_decode_batches_on_avx2_run_the_decode_linear_kernel_on_panels_of_t
         assert plain.decode is None and plain.weight_panels is None
 
 
-def test_bf16_decode_batches_on_avx512_bf16_run_the_decode_linear_kernel_on_panels():
+def test_bf16_linears_on_avx512_bf16_run_the_kernel_on_panels():
     from engine.cpu_packing import (
+        AMX_KERNEL_MAX_ROWS,
         BF16_DECODE_LINEAR_SOURCE,
-        BF16_DECODE_MAX_ROWS,
         DecodeLinear,
         PackedLinear,
         bf16_decode_linear_supported,
+        bf16_kernel_max_rows,
         build,
         load_bf16_decode_linear,
         packing_supported,
@@ -235,31 +236,42 @@ def test_bf16_decode_batches_on_avx512_bf16_run_the_decode_linear_kernel_on_pane
     if not supported:
         return
     assert packing_supported(torch.bfloat16, "cpu")  # oneDNN's bf16 runs wherever AVX512_BF16 does
+    amx = torch.cpu._is_amx_tile_supported()
+    assert bf16_kernel_max_rows() == (AMX_KERNEL_MAX_ROWS if amx else None)
     kernel = DecodeLinear(build(source=BF16_DECODE_LINEAR_SOURCE), torch.bfloat16)
     weight, bias = torch.randn(96, 200).bfloat16(), torch.randn(96).bfloat16()
     layer = PackedLinear(weight, bias, kernel)
-    assert layer.decode is kernel and layer.weight_panels.shape == (96 // 16, 100, 16, 2)
-    x = torch.randn(BF16_DECODE_MAX_ROWS, 200).bfloat16()
+    assert layer.kernel is kernel and layer.weight_panels.shape == (96 // 16, 100, 16, 2)
+    # no AMX: the kernel serves every batch and oneDNN's copy is not made
+    assert (layer.packed_weight is None) == (not amx)
+    kernel_rows = AMX_KERNEL_MAX_ROWS - 1 if amx else 300
+    x = torch.randn(kernel_rows, 200).bfloat16()
     exact = (x.double() @ weight.double().t() + bias.double()).bfloat16()
-    # decode batches, one row included: fp32 sums rounded once to bf16 (at most one bf16 step from
-    # the exact result), each row the same bits whatever the rows beside it (batch-invariant)
-    alone = [layer(x[i : i + 1]) for i in range(BF16_DECODE_MAX_ROWS - 1)]
-    for rows in (1, 2, 5, BF16_DECODE_MAX_ROWS - 1):
+    # one row, the narrow tiles (1-4 rows), the wide ones, a prefill chunk: fp32 sums rounded once
+    # to bf16 (at most one bf16 step from the exact result), each row the same bits whatever the
+    # rows beside it (batch-invariant)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(kernel_rows)])
+    for rows in sorted({1, 2, 4, 5, 7, 8, 13, 25, kernel_rows}):
+        if rows > kernel_rows:
+            continue
         out = layer(x[:rows])
         torch.testing.assert_close(out.float(), exact[:rows].float(), rtol=8e-3, atol=1e-2)
-        assert torch.equal(out, torch.cat(alone[:rows]))
+        assert torch.equal(out, alone[:rows])
     # rows that are a view with a row stride (a slice of a wider activation)
     wide = torch.randn(3, 400).bfloat16()
     torch.testing.assert_close(layer(wide[:, :200]), layer(wide[:, :200].contiguous()))
-    # prefill chunks: oneDNN's packed weight, F.linear's bits
-    for rows in (BF16_DECODE_MAX_ROWS, 300):
-        x = torch.randn(rows, 200).bfloat16()
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, bias))
+    if amx:  # prefill chunks: oneDNN's packed weight, F.linear's bits
+        for rows in (AMX_KERNEL_MAX_ROWS, 300):
+            x = torch.randn(rows, 200).bfloat16()
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, bias))
     # outputs not a multiple of the kernel's tile: no panels, oneDNN serves every batch
-    unfit = PackedLinear(torch.randn(40, 64).bfloat16(), None, kernel)
-    assert unfit.decode is None and unfit.weight_panels is None
+    unfit_weight = torch.randn(40, 64).bfloat16()
+    unfit = PackedLinear(unfit_weight, None, kernel)
+    assert unfit.kernel is None and unfit.weight_panels is None
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(unfit(x), torch.nn.functional.linear(x, unfit_weight))
     loaded = load_model("dummy:tiny", torch.bfloat16)
-    assert all(m.decode is not None for m in loaded.model.modules() if isinstance(m, PackedLinear))
+    assert all(m.kernel is not None for m in loaded.model.modules() if isinstance(m, PackedLinear))
 
 
 def test_loading_the_default_model_does_not_import_torch_dynamo():
