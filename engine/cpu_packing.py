@@ -112,9 +112,9 @@ def panels_fit(weight_t: torch.Tensor) -> bool:
 
 
 class DecodeLinear:
-    """`__call__(x, panels, bias)`: `x @ weight.T + bias` for decode batches, through a C kernel
-    (`decode_linear_f32` on fp32 `decode_panels`, `decode_linear_bf16` on bf16
-    `bf16_decode_panels`)."""
+    """`__call__(x, panels, bias)`: `x @ weight.T + bias` through a C kernel: `decode_linear_f32` on
+    fp32 `decode_panels` (decode batches), `decode_linear_bf16` on bf16 `bf16_decode_panels` (every
+    batch where the CPU has no AMX, prefill chunks included)."""
 
     def __init__(self, library_path: Path, dtype: torch.dtype = torch.float32):
         fn = getattr(ctypes.CDLL(str(library_path)), f"decode_linear_{DTYPE_SUFFIXES[dtype]}")
@@ -211,6 +211,7 @@ class PackedLinear(nn.Module):
         self.kernel = kernel if fits else None
         panels = bf16_decode_panels(weight.detach()) if self.kernel is not None else None
         self.register_buffer("weight_panels", panels, persistent=False)
+        # None: the kernel serves every batch; 0: oneDNN does (no kernel)
         self.kernel_max_rows = bf16_kernel_max_rows() if self.kernel is not None else 0
         # The batch-size hint 1 favours decode; larger batches run as fast as with F.linear.
         packed = (
