@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -211,19 +212,20 @@ class PackedLinear(nn.Module):
         self.kernel = kernel if fits else None
         panels = bf16_decode_panels(weight.detach()) if self.kernel is not None else None
         self.register_buffer("weight_panels", panels, persistent=False)
-        # None: the kernel serves every batch; 0: oneDNN does (no kernel)
-        self.kernel_max_rows = bf16_kernel_max_rows() if self.kernel is not None else 0
+        # batches of fewer rows take the kernel (none without one), the rest oneDNN's packed weight
+        max_rows = bf16_kernel_max_rows() if self.kernel is not None else 0
+        self.kernel_max_rows = math.inf if max_rows is None else max_rows
         # The batch-size hint 1 favours decode; larger batches run as fast as with F.linear.
         packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-            if self.kernel_max_rows is not None
+            if self.kernel_max_rows != math.inf
             else None
         )
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_max_rows is None or x.shape[0] < self.kernel_max_rows:
+        if x.shape[0] < self.kernel_max_rows:
             return self.kernel(x, self.weight_panels, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
