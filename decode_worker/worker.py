@@ -279,6 +279,7 @@ class DecodeWorker(ParkingEndpoints):
                         for request_id, item in batch
                     ],
                     allocator.drain_events(),
+                    self.loop.costs,
                 )
         finally:
             # the router went away, cancelled the call, or a new subscription replaced this one

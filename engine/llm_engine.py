@@ -113,6 +113,9 @@ class LLMEngine:
         self._held: dict[str, Sequence] = {}
         self._masks: Optional[BatchMasks] = None  # built with the first guided request
         self.last_step_was_prefill = False  # prefilled, KV kept until the handoff is released
+        self.last_step_prompt_tokens = 0  # prompt tokens its latest step computed
+        # sequences in its latest step (0: nothing could be scheduled, e.g. no KV room yet)
+        self.last_step_num_seqs = 0
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -274,9 +277,11 @@ class LLMEngine:
         callable the model runs between layers (serving workers size their threads there:
         runtime/cores.py)."""
         batch = self.scheduler.schedule()
+        self.last_step_num_seqs = 0 if batch is None else len(batch.seqs)
         if batch is None:
             return []
         self.last_step_was_prefill = batch.is_prefill
+        self.last_step_prompt_tokens = sum(batch.num_new_tokens) if batch.is_prefill else 0
         model = self.loaded.model
         with compute(batch) as between_layers:
             model.between_layers = between_layers

@@ -181,13 +181,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "prefill there",
     )
     p.add_argument(
-        "--pd-queue-margin-tokens",
-        type=int,
-        default=2048,
-        help="auto: prefill locally when the prefill pool's queue exceeds the decode worker's "
-        "by this",
-    )
-    p.add_argument(
         "--routing",
         default="prefix",
         choices=["prefix", "load"],
@@ -347,7 +340,6 @@ def _serve_config(args: argparse.Namespace, **overrides):
         kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
         pd_policy=args.pd_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
-        pd_queue_margin_tokens=args.pd_queue_margin_tokens,
         routing=args.routing,
         prefix_weight=args.prefix_weight,
         decode_stream_tokens=args.decode_stream_tokens,

@@ -70,7 +70,6 @@ class ServeConfig:
     pd_policy: str = "auto"
     # auto: prompts with this few tokens not cached there prefill on their decode worker
     local_prefill_max_tokens: int = 256
-    pd_queue_margin_tokens: int = 2048  # auto: go local when the prefill queue is this much longer
     # which worker of a pool: prefix (cached prefix against load) or load (router/kv_index.py)
     routing: str = "prefix"
     # prefix routing: one cached prompt token offsets this many tokens of load
@@ -127,9 +126,7 @@ class ServeConfig:
         """The router's `PDPolicyConfig` (where disaggregated requests prefill)."""
         from router.pd_policy import PDPolicyConfig
 
-        return PDPolicyConfig(
-            self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens
-        )
+        return PDPolicyConfig(self.pd_policy, self.local_prefill_max_tokens)
 
     @property
     def routing_config(self):

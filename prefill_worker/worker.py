@@ -205,5 +205,6 @@ class PrefillWorker(ParkingEndpoints):
             prompt_logprobs=tuple(output.prompt_logprobs)
             if output.prompt_logprobs is not None
             else None,
+            costs=self.loop.costs,
         )
         return _Prefilled(result, admission)

@@ -5,8 +5,27 @@ reservation answers None (`DecodeWorker.reserve`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
+
+
+@dataclass(frozen=True)
+class WorkerCosts:
+    """What a worker's steps cost lately, measured where they run (runtime/costs.py), for the
+    router's decision where a prompt prefills (router/pd_policy.py). A prefill worker sends them
+    with each `PrefillResult`, a decode worker with each message of its token stream."""
+
+    # seconds per prompt token of its recent prefill steps (None: it has prefilled nothing yet)
+    prefill_token_s: Optional[float] = None
+    decode_step_s: Optional[float] = None  # its recent decode steps (None: none yet)
+    # How long its decoding streams could wait for a prompt now and still meet their share of the
+    # TPOT target (runtime.cores.decode_slack_s): inf when nothing decodes, 0 when they cannot
+    # wait (or no target is known)
+    decode_slack_s: float = math.inf
+    # prompt tokens it computes between two decode steps while streams decode (its scheduler's
+    # decode_interleave_tokens; None: no interleaving, the whole token budget)
+    interleave_tokens: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +49,7 @@ class PrefillResult:
     # token's, and the prompt's (one per prompt token, the first None).
     first_token_logprobs: Optional[tuple] = None
     prompt_logprobs: Optional[tuple] = None
+    costs: WorkerCosts = WorkerCosts()  # the prefill worker's, at this result
 
 
 @dataclass(frozen=True)

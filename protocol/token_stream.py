@@ -10,6 +10,8 @@ from typing import Optional, Sequence
 
 import msgpack
 
+from protocol.messages import WorkerCosts
+
 # (token id, logprob, ((token id, logprob), ...)): engine.sampling_params.TokenLogprobs
 WireLogprobs = tuple
 
@@ -39,29 +41,39 @@ class TokenChunk:
 
 # A decode worker's token stream to the router: the gRPC server-streaming method below, one message
 # per engine step: [every request's chunk (msgpack lists of TokenChunk's fields, in field order),
-# the step's KV hash events ([stored?, hash] pairs: engine/block_manager.py)], after a first message
-# that says the subscription is in place: [OUTPUT_STREAM_VERSION, worker id, the block hashes it
-# holds at that moment].
+# the step's KV hash events ([stored?, hash] pairs: engine/block_manager.py), the worker's costs
+# after the step (WorkerCosts's fields, in field order)], after a first message that says the
+# subscription is in place: [OUTPUT_STREAM_VERSION, worker id, the block hashes it holds at that
+# moment].
 OUTPUT_STREAM_SERVICE = "pdserve.internal.v1.DecodeOutputs"
 OUTPUT_STREAM_METHOD = f"/{OUTPUT_STREAM_SERVICE}/Subscribe"
-OUTPUT_STREAM_VERSION = 4  # 3: chunks carry logprobs; 4: the last one the mean decode step
+# 3: chunks carry logprobs; 4: the last one the mean decode step; 5: each message the worker's costs
+OUTPUT_STREAM_VERSION = 5
 
 # (True, hash): the worker now holds a block with this hash; False: no longer
 KVEvent = tuple[bool, bytes]
 
 
 _chunk_fields = operator.attrgetter(*(f.name for f in fields(TokenChunk)))
+_cost_fields = operator.attrgetter(*(f.name for f in fields(WorkerCosts)))
 
 
-def encode_chunks(chunks: Sequence[TokenChunk], kv_events: Sequence[KVEvent] = ()) -> bytes:
-    return msgpack.packb([[_chunk_fields(chunk) for chunk in chunks], kv_events])
+def encode_chunks(
+    chunks: Sequence[TokenChunk],
+    kv_events: Sequence[KVEvent] = (),
+    costs: WorkerCosts = WorkerCosts(),
+) -> bytes:
+    return msgpack.packb(
+        [[_chunk_fields(chunk) for chunk in chunks], kv_events, _cost_fields(costs)]
+    )
 
 
-def decode_chunks(data: bytes) -> tuple[list[TokenChunk], list[KVEvent]]:
-    chunks, kv_events = msgpack.unpackb(data)
+def decode_chunks(data: bytes) -> tuple[list[TokenChunk], list[KVEvent], WorkerCosts]:
+    chunks, kv_events, costs = msgpack.unpackb(data)
     return (
         [_chunk(request_id, token_ids, *rest) for request_id, token_ids, *rest in chunks],
         [(bool(stored), block_hash) for stored, block_hash in kv_events],
+        WorkerCosts(*costs),
     )
 
 

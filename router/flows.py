@@ -103,6 +103,7 @@ class Flows:
         if result is None:  # the prefill worker was told to abort it
             raise RequestAborted()
         self._kv_index.apply(prefill.worker_id, result.kv_events)
+        prefill.costs = result.costs
         self._count_reuse(prefill.info.role, result.num_cached_prompt_tokens)
         self._count_reuse(
             decode.info.role,

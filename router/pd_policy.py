@@ -3,19 +3,30 @@
 `remote`: on the prefill pool, its KV shipped to the decode worker (the default path). `local`: on
 the decode worker that will decode it, interleaved with the streams it is decoding (the engine runs
 a chunk of at most `decode_interleave_tokens` prompt tokens between decode steps), nothing shipped.
-DistServe, Dynamo and llm-d decide the same way: a prompt goes local when that is cheaper than the
-remote path: when what is left to compute there is short (a handoff costs more than it saves): a
-short prompt, or one whose prefix the decode worker holds already (a conversation's earlier turns,
-reported by its KV events: router/kv_index.py); or when the prefill pool's queue is longer than the
-decode worker's own, so the prompt would start sooner there. The decision is
-a pure function of numbers the router already keeps (prompt tokens queued per worker), so it costs
-no worker call.
+
+`auto` decides as DistServe, Dynamo and llm-d do, by what each path costs, here in the seconds the
+two workers measured on their latest steps (`WorkerCosts`: seconds per prompt token, the decode
+step, how long the decode worker's streams could wait within the TPOT target). A prompt goes local:
+- when what is left to compute there is short (one interleaved chunk: a handoff costs more than it
+  saves): a short prompt, or one whose prefix the decode worker holds already (a conversation's
+  earlier turns, reported by its KV events: router/kv_index.py);
+- or when its first token comes sooner there, its streams can wait that long, and either the
+  prefill pool would miss the TTFT target (its queue is long) or the decode worker has less than
+  half as much to compute (it holds a prefix the prefill pool lacks: its streams wait for that
+  work, so it counts twice).
+Otherwise remote: a prompt the prefill pool serves within the TTFT target never stalls the streams
+(their inter-token tail is what disaggregation buys). The decision reads only numbers the router
+already keeps (queued prompt tokens, the costs that come with results and token streams), so it
+costs no worker call.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
+
+from protocol.messages import WorkerCosts
 
 POLICIES = ("auto", "remote", "local")
 
@@ -26,17 +37,14 @@ class PDPolicyConfig:
     # auto: prompts with at most this many tokens not cached on the decode worker prefill there (one
     # interleaved chunk of the scheduler's default: running streams wait for one chunk at most)
     local_max_prompt_tokens: int = 256
-    # auto: go local when the prefill pool's shortest queue exceeds the decode worker's own queue
-    # (its local prompts not yet prefilled) plus this prompt by this many tokens
-    queue_margin_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(
                 f"--pd-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}"
             )
-        if self.local_max_prompt_tokens < 0 or self.queue_margin_tokens < 0:
-            raise ValueError("local_max_prompt_tokens and queue_margin_tokens must be >= 0")
+        if self.local_max_prompt_tokens < 0:
+            raise ValueError("local_max_prompt_tokens must be >= 0")
 
 
 class Decision(NamedTuple):
@@ -45,30 +53,58 @@ class Decision(NamedTuple):
     reason: str
 
 
+class Side(NamedTuple):
+    """One path's best worker as the router sees it."""
+
+    queued_tokens: int  # prompt tokens routed there to prefill whose first token has not come back
+    cached_tokens: int  # of this prompt, what it holds already
+    costs: WorkerCosts = WorkerCosts()
+
+
 def decide(
     config: PDPolicyConfig,
     prompt_tokens: int,
-    remote_queue_tokens: int | None,
-    local_queue_tokens: int,
-    remote_cached_tokens: int = 0,
-    local_cached_tokens: int = 0,
+    remote: Optional[Side],
+    local: Side,
+    ttft_target_s: float = math.inf,
 ) -> Decision:
-    """`remote_queue_tokens`: prompt tokens queued on the best prefill worker (None when the pool
-    has none); `local_queue_tokens`: those queued for local prefill on the best decode worker; the
-    cached tokens: how much of this prompt each of the two holds already."""
+    """`remote`: the best prefill worker (None when the pool has none ready); `local`: the best
+    decode worker; `ttft_target_s`: the SLO's TTFT."""
     if config.policy != "auto":
         return Decision(config.policy, "policy")
-    if remote_queue_tokens is None:
+    if remote is None:
         return Decision("local", "no_prefill_worker")
-    local_new = prompt_tokens - local_cached_tokens
+    local_new = prompt_tokens - local.cached_tokens
     if local_new <= config.local_max_prompt_tokens:
-        return Decision("local", "prefix_hit" if local_cached_tokens else "short_prompt")
-    # Computed locally, the prompt also delays the decode worker's running streams by about as much
-    # again: it counts twice there.
-    if remote_queue_tokens + prompt_tokens - remote_cached_tokens >= (
-        local_queue_tokens + 2 * local_new + config.queue_margin_tokens
+        return Decision("local", "prefix_hit" if local.cached_tokens else "short_prompt")
+    remote_new = prompt_tokens - remote.cached_tokens
+    # Nothing measured yet: the two alike per token (the same model and engine), the prefill pool
+    # taken to meet the target, and a unit of 1 s a token (only streams that nothing delays, none
+    # decoding, can wait for it)
+    remote_token_s = remote.costs.prefill_token_s or local.costs.prefill_token_s
+    local_token_s = local.costs.prefill_token_s or remote_token_s or 1.0
+    remote_token_s = remote_token_s or local_token_s
+    local_tokens = local.queued_tokens + local_new
+    if local_tokens * local_token_s > local.costs.decode_slack_s:
+        return Decision("remote", "default")  # its streams cannot wait that long
+    remote_ttft_s = (remote.queued_tokens + remote_new) * remote_token_s
+    if _local_ttft_s(local.costs, local_tokens, local_token_s) >= remote_ttft_s:
+        return Decision("remote", "default")
+    if local.cached_tokens > remote.cached_tokens and (
+        2 * local_new * local_token_s <= remote_new * remote_token_s
     ):
-        return Decision(
-            "local", "prefix_hit" if local_cached_tokens > remote_cached_tokens else "prefill_queue"
-        )
+        return Decision("local", "prefix_hit")
+    measured = remote.costs.prefill_token_s is not None
+    if measured and remote_ttft_s > ttft_target_s:
+        return Decision("local", "prefill_queue")
     return Decision("remote", "default")
+
+
+def _local_ttft_s(costs: WorkerCosts, tokens: int, token_s: float) -> float:
+    """When the decode worker's local prompts, this one last (`tokens` in all), would be computed:
+    their chunks, and while streams decode there a decode step after each chunk."""
+    work_s = tokens * token_s
+    if math.isinf(costs.decode_slack_s) or not costs.interleave_tokens:
+        return work_s  # nothing decodes: its whole token budget prefills
+    chunks = math.ceil(tokens / costs.interleave_tokens)
+    return work_s + chunks * (costs.decode_step_s or 0.0)

@@ -5,10 +5,11 @@ pools' best candidates compared). Pure bookkeeping on what the router knows: no 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
 from router.metrics import RouterMetrics
-from router.pd_policy import Decision, PDPolicyConfig, decide
+from router.pd_policy import Decision, PDPolicyConfig, Side, decide
 from router.pools.workers import NoWorkerError, WorkerHandle, WorkerPool
 
 
@@ -34,9 +35,11 @@ class Placement:
         prefill_pool: WorkerPool,
         decode_pool: WorkerPool,
         metrics: RouterMetrics,
+        ttft_target_s: float,
     ):
         self.routing = routing
         self._pd = pd
+        self._ttft_target_s = ttft_target_s  # the SLO's: the PD policy weighs the prefill queue by it
         self._kv_index = kv_index
         self.prefill_pool = prefill_pool
         self.decode_pool = decode_pool
@@ -61,17 +64,16 @@ class Placement:
 
     def place(self, prompt: Prompt) -> Decision:
         """Where a disaggregated request's prompt is prefilled: the prefill pool, or its decode
-        worker (each pool's best candidate compared: queued prompt tokens, and what each holds of
-        the prompt)."""
+        worker (each pool's best candidate compared: queued prompt tokens, what each holds of the
+        prompt, the costs each reported)."""
         remote = next(iter(self.ranked(self.prefill_pool, prompt)), None)
         local = next(iter(self.ranked(self.decode_pool, prompt)), None)
         decision = decide(
             self._pd,
             len(prompt.ids),
-            remote and remote.worker.queued_prompt_tokens,
-            local.worker.queued_prompt_tokens if local else 0,
-            remote.cached_tokens if remote else 0,
-            local.cached_tokens if local else 0,
+            _side(remote),
+            _side(local) or Side(0, 0),
+            self._ttft_target_s,
         )
         self._metrics.pd_decisions.labels(decision.path, decision.reason).inc()
         return decision
@@ -94,3 +96,10 @@ class Placement:
             else "no_hit"
         )
         self._metrics.routing_decisions.labels(role, reason).inc()
+
+
+def _side(candidate: Optional[Candidate]) -> Optional[Side]:
+    if candidate is None:
+        return None
+    worker = candidate.worker
+    return Side(worker.queued_prompt_tokens, candidate.cached_tokens, worker.costs)

@@ -115,6 +115,7 @@ class Router:
             self.prefill_pool,
             self.decode_pool,
             self._metrics,
+            config.slo.ttft_s,
         )
         reservation = DecodeReservation(
             ReservationConfig(

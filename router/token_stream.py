@@ -215,7 +215,7 @@ class Subscription:
                     self._check_hello(data)
                     continue
                 self.worker.last_heard_s = time.monotonic()
-                chunks, kv_events = decode_chunks(data)
+                chunks, kv_events, self.worker.costs = decode_chunks(data)
                 if kv_events:
                     self._kv_index.apply(self.worker.worker_id, kv_events)
                 if not chunks:  # a heartbeat

@@ -16,13 +16,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
 from engine.llm_engine import LLMEngine, RequestOutput
+from protocol.messages import WorkerCosts
 from runtime.cores import CoreShare, StreamProgress, decode_slack_s
+from runtime.costs import CostMeter
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,10 @@ class EngineLoop:
         self.last_step_s = 0.0
         self.decode_steps = 0  # steps that decoded only (no prefill), and their total time
         self.decode_steps_s = 0.0
+        # its steps' recent costs, and with them its streams' slack after its latest step: the
+        # router's PD policy reads them (router/pd_policy.py); set on the loop thread, read anywhere
+        self.meter = CostMeter(engine.scheduler.config.decode_interleave_tokens)
+        self.costs: WorkerCosts = self.meter.costs()
         self._step_pauses_s = 0.0  # cores lent at layer boundaries of the step under way
         # Whether lending the cores was decided on since the streams' last token: once per token,
         # so no gap between two tokens is longer than one pause and one step
@@ -166,14 +173,38 @@ class EngineLoop:
             return None
         if any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in scheduler.running):
             return None
+        return self._streams_slack_s(scheduler.running)
+
+    def _streams_slack_s(self, decoding: list) -> Optional[float]:
         now = time.monotonic()
         streams = [
             StreamProgress(
                 len(seq.output_token_ids), seq.params.max_tokens, now - seq.arrival_time_s
             )
-            for seq in scheduler.running
+            for seq in decoding
         ]
         return decode_slack_s(streams, self.decode_steps_s / self.decode_steps, self.cores.policy)
+
+    def _measure(self) -> None:
+        """After a step: its cost into the meter, and `costs` renewed. The slack is the decoding
+        streams' alone, whatever prompts wait here: the router counts those against it."""
+        engine = self.engine
+        if engine.last_step_was_prefill:
+            self.meter.prefill_step(engine.last_step_prompt_tokens, self.last_step_s)
+        else:
+            self.meter.decode_step(self.last_step_s)
+        decoding = [
+            seq
+            for seq in engine.scheduler.running
+            if seq.num_computed_tokens >= seq.num_prompt_tokens
+        ]
+        if not decoding:
+            slack_s = math.inf
+        elif self.cores is None or not self.decode_steps:
+            slack_s = 0.0  # no TPOT budget known here, or no step to judge by
+        else:
+            slack_s = max(0.0, self._streams_slack_s(decoding) or 0.0)
+        self.costs = self.meter.costs(slack_s)
 
     def _flush_channel(self) -> None:
         current = self._channel  # read once: another thread may close it meanwhile
@@ -246,12 +277,15 @@ class EngineLoop:
                 self.engine.abort(request_id)
                 self.publish(request_id, error)
             return
+        if not self.engine.last_step_num_seqs:
+            return  # nothing could be scheduled (no KV room yet): no step to count
         # its compute time: a pause lending the cores mid-step is not the step's
         self.last_step_s = time.monotonic() - started - self._step_pauses_s
         self._lending_decided = False
         if not self.engine.last_step_was_prefill:
             self.decode_steps += 1
             self.decode_steps_s += self.last_step_s
+        self._measure()
         for output in outputs:
             try:
                 item = self._on_output(output) if self._on_output else output

@@ -16,9 +16,9 @@ from kvtransfer.errors import WireFormatError
 from kvtransfer.reservations import Reservations
 from kvtransfer.wire import KVGroupHeader, as_bytes_view, checksum, group_payload_bytes
 from protocol.block_hash import prompt_block_hashes
-from protocol.messages import WorkerInfo
+from protocol.messages import WorkerCosts, WorkerInfo
 from router.kv_index import PrefixIndex, RoutingConfig, rank
-from router.pd_policy import Decision, PDPolicyConfig, decide
+from router.pd_policy import Decision, PDPolicyConfig, Side, decide
 from router.pools import WorkerHandle
 from tests.kv_ends import FP32
 
@@ -182,19 +182,22 @@ def test_routing_weighs_a_cached_prefix_against_load():
 
 
 def test_a_prompt_whose_prefix_the_decode_worker_holds_prefills_there():
-    auto = PDPolicyConfig(local_max_prompt_tokens=64, queue_margin_tokens=256)
-    assert decide(auto, 600, 0, 0, remote_cached_tokens=0, local_cached_tokens=560) == Decision(
-        "local", "prefix_hit"
-    )
-    # Not short enough, but far less to compute there than on the prefill pool (which holds none of
-    # it):
-    assert decide(auto, 600, 0, 0, remote_cached_tokens=0, local_cached_tokens=500) == Decision(
-        "local", "prefix_hit"
-    )
-    assert decide(auto, 600, 0, 0, remote_cached_tokens=560, local_cached_tokens=500) == Decision(
+    auto = PDPolicyConfig(local_max_prompt_tokens=64)
+    hit = Decision("local", "prefix_hit")
+    assert decide(auto, 600, Side(0, 0), Side(0, 560)) == hit
+    # Not short enough, but less than half as much to compute there as on the prefill pool (which
+    # holds none of it)
+    assert decide(auto, 600, Side(0, 0), Side(0, 500)) == hit
+    assert decide(auto, 600, Side(0, 560), Side(0, 500)) == Decision("remote", "default")
+    # ... while the streams decoding there can wait for it (0.1 s at 1 ms a token)
+    prefill = WorkerCosts(prefill_token_s=1e-3)
+    busy = WorkerCosts(1e-3, decode_step_s=0.03, decode_slack_s=0.05, interleave_tokens=256)
+    assert decide(auto, 600, Side(0, 0, prefill), Side(0, 500, busy)) == Decision(
         "remote", "default"
     )
-    assert decide(auto, 40, 0, 0) == Decision("local", "short_prompt")
+    roomy = WorkerCosts(1e-3, decode_step_s=0.03, decode_slack_s=0.5, interleave_tokens=256)
+    assert decide(auto, 600, Side(0, 0, prefill), Side(0, 500, roomy)) == hit
+    assert decide(auto, 40, Side(0, 0), Side(0, 0)) == Decision("local", "short_prompt")
 
 
 # -- real multi-turn conversations ----------------------------------------------------------------

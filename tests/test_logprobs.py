@@ -152,7 +152,7 @@ def test_token_chunks_carry_logprobs_over_the_wire_and_when_joined():
 
     first = TokenChunk("r", (5,), logprobs=(TokenLogprobs(5, -0.5, ((5, -0.5), (9, -1.5))),))
     last = TokenChunk("r", (6,), "length", logprobs=(TokenLogprobs(6, -0.25),))
-    (got_first, got_last), _ = decode_chunks(encode_chunks([first, last]))
+    (got_first, got_last), _, _ = decode_chunks(encode_chunks([first, last]))
     assert (got_first, got_last) == (first, last)
     both = joined(got_first, got_last)
     assert both.token_ids == (5, 6) and typed_logprobs(both.logprobs) == [

@@ -1,6 +1,6 @@
-"""Conditional disaggregation: the policy as a pure function, the interleaving scheduler, and a real
-system that prefills on its decode worker when the prefill pool's queue is long, with output
-identical to the single-process engine either way."""
+"""Conditional disaggregation: the policy as a pure function of measured costs, the interleaving
+scheduler, and a real system that prefills on its decode worker when the prefill pool's queue would
+miss the TTFT target, with output identical to the single-process engine either way."""
 
 from __future__ import annotations
 
@@ -13,20 +13,47 @@ from engine.block_manager import BlockAllocator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
-from router.pd_policy import Decision, PDPolicyConfig, decide
+from protocol.messages import WorkerCosts
+from router.pd_policy import Decision, PDPolicyConfig, Side, decide
+
+MS = 1e-3
+REMOTE, LOCAL = Decision("remote", "default"), Decision("local", "prefill_queue")
 
 
-def test_the_policy_goes_local_for_short_prompts_and_long_prefill_queues():
-    auto = PDPolicyConfig(local_max_prompt_tokens=64, queue_margin_tokens=256)
-    assert decide(auto, 32, 0, 0) == Decision("local", "short_prompt")
-    assert decide(auto, 512, 0, 0) == Decision("remote", "default")
-    assert decide(auto, 512, 512 + 256 - 1, 0) == Decision("remote", "default")
-    assert decide(auto, 512, 512 + 256, 0) == Decision("local", "prefill_queue")
-    # the decode worker is as busy
-    assert decide(auto, 512, 2000, 1500) == Decision("remote", "default")
-    assert decide(auto, 512, None, 0) == Decision("local", "no_prefill_worker")
-    assert decide(PDPolicyConfig("remote"), 8, 10**6, 0) == Decision("remote", "policy")
-    assert decide(PDPolicyConfig("local"), 8000, 0, 10**6) == Decision("local", "policy")
+def test_the_policy_goes_local_when_the_prefill_queue_would_miss_the_ttft_target():
+    auto = PDPolicyConfig(local_max_prompt_tokens=64)
+    prefill = WorkerCosts(prefill_token_s=1 * MS)
+    idle = WorkerCosts(prefill_token_s=1 * MS)  # nothing decodes there: its slack is unbounded
+    target_s = 1.0
+    assert decide(auto, 32, Side(0, 0, prefill), Side(0, 0, idle), target_s) == Decision(
+        "local", "short_prompt"
+    )
+    # The prefill pool meets the target (0.512 s; 0.912 s behind 400 queued tokens): the streams
+    # are never stalled for a prompt
+    assert decide(auto, 512, Side(0, 0, prefill), Side(0, 0, idle), target_s) == REMOTE
+    assert decide(auto, 512, Side(400, 0, prefill), Side(0, 0, idle), target_s) == REMOTE
+    # It would not (1.024 s), and the decode worker answers sooner (0.512 s)
+    assert decide(auto, 512, Side(512, 0, prefill), Side(0, 0, idle), target_s) == LOCAL
+    # ... unless its own local queue makes it later still
+    assert decide(auto, 512, Side(1500, 0, prefill), Side(2000, 0, idle), target_s) == REMOTE
+    # Streams decode there: they must be able to wait for the prompt (0.512 s of slack or more),
+    # and its first token comes after a decode step per interleaved chunk (2 x 30 ms here)
+    tight = WorkerCosts(1 * MS, decode_step_s=0.030, decode_slack_s=0.3, interleave_tokens=256)
+    roomy = WorkerCosts(1 * MS, decode_step_s=0.030, decode_slack_s=0.6, interleave_tokens=256)
+    assert decide(auto, 512, Side(2048, 0, prefill), Side(0, 0, tight), target_s) == REMOTE
+    assert decide(auto, 512, Side(2048, 0, prefill), Side(0, 0, roomy), target_s) == LOCAL
+    # both miss a 0.5 s target, and the decode worker would be later (0.572 s against 0.562 s)
+    assert decide(auto, 512, Side(50, 0, prefill), Side(0, 0, roomy), 0.5) == REMOTE
+    # Measured rates count, not tokens: a prefill worker twice as fast meets the target
+    fast = WorkerCosts(prefill_token_s=0.5 * MS)
+    assert decide(auto, 512, Side(1024, 0, fast), Side(0, 0, idle), target_s) == REMOTE
+    # Nothing measured yet: the prefill pool
+    assert decide(auto, 512, Side(10**6, 0), Side(0, 0), target_s) == REMOTE
+    assert decide(auto, 512, None, Side(0, 0), target_s) == Decision("local", "no_prefill_worker")
+    policy = PDPolicyConfig("remote")
+    assert decide(policy, 8, Side(10**6, 0), Side(0, 0)) == Decision("remote", "policy")
+    policy = PDPolicyConfig("local")
+    assert decide(policy, 8000, Side(0, 0), Side(10**6, 0)) == Decision("local", "policy")
     with pytest.raises(ValueError, match="--pd-policy"):
         PDPolicyConfig("sometimes")
 
@@ -86,7 +113,9 @@ def system(harness, tmp_path_factory):
         num_decode=1,
         pd_policy="auto",
         local_prefill_max_tokens=16,
-        pd_queue_margin_tokens=64,
+        # a TTFT target no queue meets: a prompt goes local whenever its first token comes sooner
+        # there (the TPOT target lends cores as freely as serving's default)
+        slo="ttft:1,tpot:50",
         kv_cache_bytes=128 << 20,
         http_port=0,
         core_dir=str(tmp_path_factory.mktemp("cores")),
@@ -108,7 +137,7 @@ def _decisions(system) -> dict[tuple[str, str], float]:
     }
 
 
-def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker_with_identical_output(
+def test_a_prefill_queue_that_misses_the_ttft_target_sends_prompts_to_the_decode_worker(
     system, smollm_fp32
 ):
     from engine.llm_engine import EngineConfig, LLMEngine
@@ -124,6 +153,13 @@ def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker_with_identical_
             prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         )
     ]
+    # The prefill worker's cost per token is measured on a first prompt; then the decode worker,
+    # idle, answers a prompt sooner than the prefill worker with one queued.
+    with system.client() as client:
+        warm = client.generate(
+            client.request(prompts[0], max_tokens=12, temperature=0, ignore_eos=True)
+        )
+    assert warm.prefill_worker and list(warm.token_ids) == expected[0]
     before = _decisions(system)
     with ThreadPoolExecutor(len(prompts)) as pool:
 
@@ -137,7 +173,7 @@ def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker_with_identical_
     after = _decisions(system)
     local = after.get(("local", "prefill_queue"), 0) - before.get(("local", "prefill_queue"), 0)
     remote = after.get(("remote", "default"), 0) - before.get(("remote", "default"), 0)
-    # the first goes remote, later ones find its queue long
+    # the first goes remote, a later one finds its queue long
     assert local >= 1 and remote >= 1, after
     assert [list(d.token_ids) for d in done] == expected
     local_done = [d for d in done if not d.prefill_worker]

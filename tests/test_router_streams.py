@@ -4,6 +4,7 @@ the token stream's wire format and subscription (a real gRPC server standing in 
 worker's)."""
 
 import asyncio
+import math
 import queue
 import time
 from concurrent import futures
@@ -13,7 +14,7 @@ import grpc
 import msgpack
 import pytest
 
-from protocol.messages import WorkerInfo
+from protocol.messages import WorkerCosts, WorkerInfo
 from protocol.token_stream import (
     OUTPUT_STREAM_SERVICE,
     OUTPUT_STREAM_VERSION,
@@ -168,9 +169,11 @@ def test_token_chunks_cross_the_wire_with_every_field():
         TokenChunk("c", (3,)),
         TokenChunk("d", (4,), "length", decode_step_s=0.041),
     ]
-    assert decode_chunks(encode_chunks(chunks)) == (chunks, [])
+    assert decode_chunks(encode_chunks(chunks)) == (chunks, [], WorkerCosts())
     events = [(True, b"\x01" * 16), (False, b"\x02" * 16)]
-    assert decode_chunks(encode_chunks(chunks, events)) == (chunks, events)
+    # the worker's costs after the step travel with it, "nothing decodes" (an infinite slack) too
+    for costs in (WorkerCosts(0.0009, 0.031, 0.25, 256), WorkerCosts(0.001, None, math.inf)):
+        assert decode_chunks(encode_chunks(chunks, events, costs)) == (chunks, events, costs)
 
 
 class _TokenServer:

@@ -301,7 +301,7 @@ def _router_s_per_token(tokenizer, random_prompt, tokens: int = 2000) -> float:
     detok = IncrementalDetokenizer(tokenizer, random_prompt(64))
     began = time.process_time()
     for message in messages:
-        chunks, _ = decode_chunks(message)
+        chunks, _, _ = decode_chunks(message)
         detok.add_token(chunks[0].token_ids[0])
     return (time.process_time() - began) / tokens
 

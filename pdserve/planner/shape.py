@@ -26,7 +26,6 @@ class SystemShape:
     cpus_per_worker: float = 1.0  # Ray's CPUs; a worker computes with max(1, whole CPUs) threads
     pd_policy: str = "auto"
     local_prefill_max_tokens: int = 256
-    pd_queue_margin_tokens: int = 2048
     decode_interleave_tokens: Optional[int] = 256  # the system's default (pdserve serve)
     routing: str = "prefix"
     lend_cores: bool = True  # idle cores, and decode cores within TPOT slack (runtime/cores.py)
@@ -93,9 +92,7 @@ class SystemShape:
 
     @property
     def pd(self) -> PDPolicyConfig:
-        return PDPolicyConfig(
-            self.pd_policy, self.local_prefill_max_tokens, self.pd_queue_margin_tokens
-        )
+        return PDPolicyConfig(self.pd_policy, self.local_prefill_max_tokens)
 
     @property
     def routing_config(self) -> RoutingConfig:

@@ -4,7 +4,9 @@ profile.
 What it models, and whose code decides:
 - placement: the router's own `router.kv_index.rank` over `WorkerHandle`s whose counters the
   simulator keeps as the router does (queued prompt tokens, requests in flight), fed a `PrefixIndex`
-  with the blocks each worker holds; the PD decision is `router.pd_policy.decide` itself;
+  with the blocks each worker holds; the PD decision is `router.pd_policy.decide` itself, on the
+  costs each simulated worker measures of its steps as a worker does (`runtime.costs.CostMeter`)
+  and its streams' slack;
 - a prefill worker: FIFO prompts batched under the engine's token budget, chunked beyond it; a step
   costs the sum of its sequences' chunks (`Profile.chunk_s`); the first token at the step's end;
   then the KV handoff (`Profile.handoff_s` of the blocks the decode worker lacks) before decoding
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -43,11 +46,13 @@ from pdserve.planner.report import Report, summarize
 from pdserve.planner.shape import SystemShape
 from pdserve.planner.sim_cores import CoreModel
 from pdserve.planner.workload import Request
+from protocol.messages import WorkerCosts
 from router.kv_index import PrefixIndex, rank
-from router.pd_policy import decide
+from router.pd_policy import Side, decide
 from router.pools import WorkerHandle
 from router.slo import SLO
 from runtime.cores import CorePolicy
+from runtime.costs import CostMeter
 
 BLOCK_SIZE_TOKENS = 16
 
@@ -101,6 +106,7 @@ class _Worker:
     busy_s: float = 0.0
     decode_steps: int = 0
     decode_steps_s: float = 0.0
+    meter: CostMeter = field(default_factory=CostMeter)
 
     @property
     def busy_until_s(self) -> Optional[float]:
@@ -137,7 +143,8 @@ class Simulation(CoreModel):
 
     def _worker(self, worker_id: str, role: str) -> _Worker:
         info = SimpleNamespace(worker_id=worker_id, block_size_tokens=BLOCK_SIZE_TOKENS)
-        return _Worker(WorkerHandle(actor=None, info=info), role, node=0, home=())
+        meter = CostMeter(self.shape.decode_interleave_tokens)
+        return _Worker(WorkerHandle(actor=None, info=info), role, node=0, home=(), meter=meter)
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -187,10 +194,9 @@ class Simulation(CoreModel):
             path = decide(
                 self.shape.pd,
                 tokens,
-                remote.worker.queued_prompt_tokens,
-                local.worker.queued_prompt_tokens,
-                remote.cached_tokens,
-                local.cached_tokens,
+                Side(remote.worker.queued_prompt_tokens, remote.cached_tokens, self._costs(remote)),
+                Side(local.worker.queued_prompt_tokens, local.cached_tokens, self._costs(local)),
+                self.slo.ttft_s,
             ).path
         decode = self._by_handle(local.worker)
         if not self._reserve(decode, stream):
@@ -210,6 +216,12 @@ class Simulation(CoreModel):
             stream.decode_worker = decode
             decode.waiting.append(stream)
         return True
+
+    def _costs(self, candidate) -> WorkerCosts:
+        """A candidate worker's costs as its engine loop would report them now."""
+        worker = self._by_handle(candidate.worker)
+        slack_s = self._slack_s(worker, self.now_s) if worker.running else math.inf
+        return worker.meter.costs(slack_s)
 
     def _reserve(self, decode: _Worker, stream: _Stream) -> bool:
         """The decode side reserves the request's blocks first (`Profile.kv_capacity_tokens` each):
@@ -284,6 +296,9 @@ class Simulation(CoreModel):
         if not is_prefill:
             worker.decode_steps += 1
             worker.decode_steps_s += duration_s
+            worker.meter.decode_step(duration_s)
+        else:
+            worker.meter.prefill_step(sum(chunk for _, chunk in chunks), duration_s)
         for stream, chunk in chunks:
             if not is_prefill:
                 self._emit(stream)

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from protocol.messages import WorkerInfo
+from protocol.messages import WorkerCosts, WorkerInfo
 
 
 class WorkerState(str, enum.Enum):
@@ -37,6 +37,9 @@ class WorkerHandle:
     reserving: int = 0
     state: WorkerState = WorkerState.READY  # changed by the methods below only
     kv_blocks_free: Optional[int] = None  # refreshed from the worker's load reports
+    # its step costs as it last reported them (a prefill worker's with each result, a decode
+    # worker's with each message of its token stream): the PD policy reads them
+    costs: WorkerCosts = WorkerCosts()
     # time.monotonic() of its last sign of life: a call answered, a step of tokens
     last_heard_s: float = 0.0
 
