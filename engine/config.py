@@ -199,6 +199,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     decode_interleave_tokens: Optional[int] = None  # engine.scheduler.SchedulerConfig
+    # On a CPU, engine.scheduler.SchedulerConfig.prefill_batch_tokens; a GPU batches every waiting
+    # prompt the budget holds (a batch of prompts costs it little more than one)
+    cpu_prefill_batch_tokens: Optional[int] = None
     enable_prefix_caching: bool = True
     num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
     # decode steps replayed from CUDA graphs on CUDA (engine.cuda_graphs); no effect elsewhere
@@ -211,10 +214,13 @@ class EngineConfig:
     def torch_dtype(self):
         return parse_dtype(self.dtype, self.device)
 
-    @property
-    def scheduler(self):
+    def scheduler(self, device_type: str):
+        """The scheduler's config on a device of `device_type` ("cpu", "cuda")."""
         from engine.scheduler import SchedulerConfig
 
         return SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens, self.decode_interleave_tokens
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.decode_interleave_tokens,
+            self.cpu_prefill_batch_tokens if device_type == "cpu" else None,
         )

@@ -95,7 +95,7 @@ class LLMEngine:
         self.max_model_len = min(
             self.model_config.max_context_tokens, num_blocks * config.block_size_tokens
         )
-        self.scheduler = Scheduler(config.scheduler, self.allocator)
+        self.scheduler = Scheduler(config.scheduler(torch.device(device).type), self.allocator)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache)
         if use_graphs:
             self.runner.graphs = decode_graphs_for(

@@ -27,14 +27,19 @@ class SchedulerConfig:
     # Prompt tokens per prefill step while sequences are decoding, each such step followed by a
     # decode step; None: prefill-first with the whole budget (vLLM's classic policy), decodes wait.
     decode_interleave_tokens: Optional[int] = None
+    # Prompts share a prefill step only while it holds at most this many prompt tokens in all (the
+    # first prompt always goes, chunked at the budget); None: every waiting prompt the budget holds.
+    # Where a step of this many tokens keeps the cores busy, a second prompt in it computes no
+    # faster than after it and only holds back the first one's first token.
+    prefill_batch_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
-            raise ValueError(
-                f"decode_interleave_tokens must be >= 1, got {self.decode_interleave_tokens}"
-            )
+        for name in ("decode_interleave_tokens", "prefill_batch_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @dataclass
@@ -84,9 +89,16 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int) -> Optional[ScheduledBatch]:
         seqs, chunks = [], []
+        shared = self.config.prefill_batch_tokens
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(seqs) >= self.config.max_num_seqs:
                 break
+            if (
+                seqs
+                and shared is not None
+                and (sum(chunks) + seq.num_tokens - seq.num_computed_tokens > shared)
+            ):
+                break  # it would hold back the prompts before it (first come, first served)
             if not seq.block_ids:
                 try:
                     # every prompt position's logits: nothing from the prefix cache

@@ -216,6 +216,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "prefill first)",
     )
     p.add_argument(
+        "--cpu-prefill-batch-tokens",
+        type=int,
+        default=256,
+        help="on a CPU, prompts share a prefill step only up to this many tokens in all; a longer "
+        "prompt prefills alone, first come first served (0: every waiting prompt the token budget "
+        "holds, as on a GPU)",
+    )
+    p.add_argument(
         "--autoscale",
         nargs="?",
         const="reactive",
@@ -344,6 +352,7 @@ def _serve_config(args: argparse.Namespace, **overrides):
         prefix_weight=args.prefix_weight,
         decode_stream_tokens=args.decode_stream_tokens,
         decode_interleave_tokens=args.decode_interleave_tokens or None,
+        cpu_prefill_batch_tokens=args.cpu_prefill_batch_tokens or None,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer,

@@ -66,6 +66,10 @@ class ServeConfig:
     # while streams are decoding (engine.scheduler); None: prefill-first, streams wait for whole
     # prompts.
     decode_interleave_tokens: Optional[int] = 256
+    # On a CPU, prompts share a prefill step up to this many tokens in all (engine.scheduler): a
+    # step of 512 tokens keeps one core busy, so two prompts batched took as long as the two one
+    # after the other, and the first waited for both (docs/benchmarks.md); None: any that fit
+    cpu_prefill_batch_tokens: Optional[int] = 256
     # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
     pd_policy: str = "auto"
     # auto: prompts with this few tokens not cached there prefill on their decode worker
@@ -235,7 +239,7 @@ class ServeConfig:
         return CorePolicy(
             self.lend_cores,
             self.core_dir,
-            tpot_budget_s=self.slo_target.tpot_s if self.lend_cores != "off" else None,
+            tpot_budget_s=self.slo_target.tpot_s,
         )
 
     def engine_config(self):
@@ -250,6 +254,7 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             decode_interleave_tokens=self.decode_interleave_tokens,
+            cpu_prefill_batch_tokens=self.cpu_prefill_batch_tokens,
             cuda_graphs=not self.enforce_eager,
         )
 

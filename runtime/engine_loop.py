@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from engine.llm_engine import LLMEngine, RequestOutput
 from protocol.messages import WorkerCosts
-from runtime.cores import CoreShare, StreamProgress, decode_slack_s
+from runtime.cores import CorePolicy, CoreShare, StreamProgress, decode_slack_s
 from runtime.costs import CostMeter
 
 log = logging.getLogger(__name__)
@@ -41,13 +41,17 @@ class EngineLoop:
         expecting_events: Callable[[], bool] = lambda: False,
         busy_wait_s: float = 0.002,
         cores: Optional[CoreShare] = None,
+        tpot_budget_s: Optional[float] = None,
     ):
         """`hooks` run on the loop thread before each step (transport polls); `on_output` turns each
         output into what is published; while `expecting_events()` (a transfer under way) the loop
         polls its hooks every `busy_wait_s` instead of sleeping. `cores`: this worker's share of the
-        node's cores (its home cores held while it has work, idle ones borrowed per step)."""
+        node's cores (its home cores held while it has work, idle ones borrowed per step).
+        `tpot_budget_s`: the SLO's TPOT, which its streams' slack in `costs` is reckoned against
+        (lending or not, on any device)."""
         self.engine = engine
         self.cores = cores
+        self._slack_policy = CorePolicy(tpot_budget_s=tpot_budget_s)
         self._hooks = hooks
         self._on_output = on_output
         self._busy_wait_s = busy_wait_s  # sleep between polls while hooks expect events (transfers)
@@ -173,9 +177,12 @@ class EngineLoop:
             return None
         if any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in scheduler.running):
             return None
-        return self._streams_slack_s(scheduler.running)
+        return self._streams_slack_s(
+            scheduler.running, self.decode_steps_s / self.decode_steps, self.cores.policy
+        )
 
-    def _streams_slack_s(self, decoding: list) -> Optional[float]:
+    @staticmethod
+    def _streams_slack_s(decoding: list, step_s: float, policy: CorePolicy) -> Optional[float]:
         now = time.monotonic()
         streams = [
             StreamProgress(
@@ -183,11 +190,13 @@ class EngineLoop:
             )
             for seq in decoding
         ]
-        return decode_slack_s(streams, self.decode_steps_s / self.decode_steps, self.cores.policy)
+        return decode_slack_s(streams, step_s, policy)
 
     def _measure(self) -> None:
         """After a step: its cost into the meter, and `costs` renewed. The slack is the decoding
-        streams' alone, whatever prompts wait here: the router counts those against it."""
+        streams' alone, whatever prompts wait here (the router counts those against it), at the
+        recent decode step: the batch has grown since the worker's quiet start, and a prompt's
+        wait is judged against the steps to come."""
         engine = self.engine
         if engine.last_step_was_prefill:
             self.meter.prefill_step(engine.last_step_prompt_tokens, self.last_step_s)
@@ -198,13 +207,14 @@ class EngineLoop:
             for seq in engine.scheduler.running
             if seq.num_computed_tokens >= seq.num_prompt_tokens
         ]
+        step_s = self.meter.decode_step_s
         if not decoding:
             slack_s = math.inf
-        elif self.cores is None or not self.decode_steps:
-            slack_s = 0.0  # no TPOT budget known here, or no step to judge by
+        elif step_s is None:
+            slack_s = 0.0  # no decode step yet to judge by
         else:
-            slack_s = max(0.0, self._streams_slack_s(decoding) or 0.0)
-        self.costs = self.meter.costs(slack_s)
+            slack_s = self._streams_slack_s(decoding, step_s, self._slack_policy) or 0.0
+        self.costs = self.meter.costs(max(0.0, slack_s))
 
     def _flush_channel(self) -> None:
         current = self._channel  # read once: another thread may close it meanwhile

@@ -1,9 +1,10 @@
 """The engine loop's timing decisions (runtime/engine_loop.py): calls that may run at a layer
-boundary of a step under way, and how long a decoding worker's streams can wait for a prefill that
-asks for its cores (the TPOT slack). The loop's thread is stopped first, so the test drives the loop
-by hand."""
+boundary of a step under way, how long a decoding worker's streams can wait for a prefill that
+asks for its cores (the TPOT slack), and the step costs it reports for the PD policy. The loop's
+thread is stopped first, so the test drives the loop by hand."""
 
 import asyncio
+import math
 import threading
 import time
 
@@ -13,7 +14,9 @@ import torch
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.weights import load_model
+from protocol.messages import WorkerCosts
 from runtime.cores import CorePolicy, CoreShare
+from runtime.costs import NEWEST_STEP_WEIGHT, CostMeter
 from runtime.engine_loop import EngineLoop
 
 
@@ -145,3 +148,53 @@ def test_a_decoding_worker_decides_on_lending_once_per_token(stopped_loop, tmp_p
                 assert loop.cores.lent_pauses == 1
     finally:
         prefill.close()
+
+
+def test_the_costs_follow_the_recent_steps_and_the_slack_is_reckoned_without_lending():
+    """What the router's PD policy reads (`EngineLoop.costs`): seconds per prompt token, the recent
+    decode step, and the decoding streams' slack at that step, on a worker that lends no cores (a
+    GPU's, or with lending off) too."""
+    engine = LLMEngine(
+        EngineConfig(model="dummy:tiny", block_size_tokens=8, decode_interleave_tokens=16),
+        loaded=load_model("dummy:tiny", torch.float32),
+    )
+    loop = EngineLoop(engine, tpot_budget_s=0.05)
+    loop._stopped = True
+    loop._wake.set()
+    loop._thread.join(5)
+    assert loop.costs == WorkerCosts(interleave_tokens=16)  # nothing measured, nothing decodes
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(1, 20)), params)
+    loop._step()  # the prompt: 19 tokens
+    assert loop.costs.prefill_token_s == pytest.approx(loop.last_step_s / 19)
+    assert loop.costs.decode_step_s is None and loop.costs.decode_slack_s == 0.0
+    for _ in range(3):
+        loop._step()
+    step_s = loop.costs.decode_step_s
+    assert step_s is not None and loop.costs.decode_slack_s > 0
+    seq = engine.scheduler.running[0]
+    tokens = len(seq.output_token_ids)
+    final = min(100, tokens + 64)
+    needed_s = time.monotonic() - seq.arrival_time_s + (final - tokens + 1) * step_s
+    expected = CorePolicy().tpot_share * 0.05 * final - needed_s
+    assert loop.costs.decode_slack_s == pytest.approx(expected, abs=0.005)
+    engine.abort("a")
+    loop._measure()
+    assert loop.costs.decode_slack_s == math.inf  # nothing decodes: no stream to wait
+    loop.stop()
+
+
+def test_the_cost_meter_weighs_prefill_steps_by_their_tokens():
+    meter = CostMeter()
+    meter.prefill_step(512, 0.512)
+    assert meter.prefill_token_s == pytest.approx(0.001)
+    # a short prompt's fixed cost (30 ms for 4 tokens) hardly moves the rate per token
+    meter.prefill_step(4, 0.030)
+    assert meter.prefill_token_s == pytest.approx(0.001, rel=0.1)
+    # a slower core moves it over a few steps
+    for _ in range(5):
+        meter.prefill_step(512, 1.024)
+    assert meter.prefill_token_s == pytest.approx(0.002, rel=0.2)
+    meter.decode_step(0.02)
+    meter.decode_step(0.04)
+    assert meter.decode_step_s == pytest.approx(0.02 + NEWEST_STEP_WEIGHT * 0.02)

@@ -1,6 +1,7 @@
 """Conditional disaggregation: the policy as a pure function of measured costs, the interleaving
-scheduler, and a real system that prefills on its decode worker when the prefill pool's queue would
-miss the TTFT target, with output identical to the single-process engine either way."""
+scheduler (and on a CPU its first-come-first-served prefill of long prompts), and a real system
+that prefills on its decode worker when the prefill pool's queue would miss the TTFT target, with
+output identical to the single-process engine either way."""
 
 from __future__ import annotations
 
@@ -101,6 +102,30 @@ def test_the_scheduler_interleaves_prefill_chunks_with_decode_steps():
         ("prefill", 50),
         ("decode", 2),
     ]  # after a prefill step a decode step, always
+
+
+def test_on_a_cpu_long_prompts_prefill_one_at_a_time_and_short_ones_share_a_step():
+    allocator = BlockAllocator(256, 16, enable_prefix_caching=False)
+    config = SchedulerConfig(max_num_batched_tokens=2048, prefill_batch_tokens=256)
+    scheduler = Scheduler(config, allocator)
+    for request_id, tokens in (("a", 100), ("b", 100), ("c", 512), ("d", 40), ("e", 30)):
+        scheduler.add(_seq(request_id, tokens))
+    steps = []
+    while scheduler.waiting:
+        batch = scheduler.schedule()
+        steps.append(
+            [(seq.request_id, chunk) for seq, chunk in zip(batch.seqs, batch.num_new_tokens)]
+        )
+        scheduler.after_prefill(batch)
+    # first come, first served: "c" waits for the step before it, and nothing joins it
+    assert steps == [[("a", 100), ("b", 100)], [("c", 512)], [("d", 40), ("e", 30)]]
+    # a GPU's engine (no limit) batches every waiting prompt the budget holds
+    from engine.config import EngineConfig
+
+    assert EngineConfig(cpu_prefill_batch_tokens=256).scheduler("cuda").prefill_batch_tokens is None
+    assert EngineConfig(cpu_prefill_batch_tokens=256).scheduler("cpu").prefill_batch_tokens == 256
+    with pytest.raises(ValueError, match="prefill_batch_tokens"):
+        SchedulerConfig(prefill_batch_tokens=0)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ class SystemShape:
     pd_policy: str = "auto"
     local_prefill_max_tokens: int = 256
     decode_interleave_tokens: Optional[int] = 256  # the system's default (pdserve serve)
+    cpu_prefill_batch_tokens: Optional[int] = 256  # the system's default (pdserve serve)
     routing: str = "prefix"
     lend_cores: bool = True  # idle cores, and decode cores within TPOT slack (runtime/cores.py)
     transport: str = "ray"

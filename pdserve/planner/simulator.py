@@ -271,10 +271,14 @@ class Simulation(CoreModel):
 
     def _prefill_batch(self, worker: _Worker, budget: int):
         chunks = []
+        shared = self.shape.cpu_prefill_batch_tokens
         for stream in worker.waiting:
             if budget == 0:
                 break
-            chunk = min(stream.request.prompt_tokens - stream.computed_tokens, budget)
+            left = stream.request.prompt_tokens - stream.computed_tokens
+            if chunks and shared is not None and sum(c for _, c in chunks) + left > shared:
+                break  # as engine.scheduler does on a CPU: first come, first served
+            chunk = min(left, budget)
             chunks.append((stream, chunk))
             budget -= chunk
         return (True, chunks) if chunks else None
