@@ -389,7 +389,7 @@ class System:
         rows = [
             WorkerRow(w.worker_id, w.info.role, "dead", None)
             if isinstance(load, BaseException)
-            else WorkerRow(w.worker_id, w.info.role, w.state.value, load)
+            else WorkerRow(w.worker_id, w.info.role, w.state.value, load, w.costs)
             for w, load in await self.worker_loads()
         ]
         stats = self.router.stats()

@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
-from protocol.messages import WorkerLoad
+from protocol.messages import WorkerCosts, WorkerLoad
 from router.slo import RESULTS, SLO
 
 LATENCY_BUCKETS_S = (
@@ -61,6 +61,7 @@ class WorkerRow:
     role: str
     state: str
     load: Optional[WorkerLoad]  # None when the worker did not answer
+    costs: WorkerCosts = WorkerCosts()  # as the router last heard them (the PD policy's input)
 
 
 @dataclass
@@ -273,6 +274,16 @@ class _PoolCollector:
                     "gpu_available",
                     "1 if the worker sees a GPU through NVML, else 0 (see pdserve_worker_gpu_info)",
                 ),
+                (
+                    "prefill_token_seconds",
+                    "Its recent prefill steps' seconds per prompt token, as the router last heard "
+                    "(the PD policy's input)",
+                ),
+                (
+                    "decode_slack_seconds",
+                    "How long its decoding streams could wait for a prompt within the TPOT target, "
+                    "as the router last heard (+Inf: none decoding; the PD policy's input)",
+                ),
             )
         }
         gpu_info = GaugeMetricFamily(
@@ -309,7 +320,10 @@ class _PoolCollector:
                 "lent_core_pauses": load.lent_pauses,
                 "lent_core_pause_seconds": load.lent_pauses_s,
                 "gpu_available": 1.0 if load.gpus else 0.0,
+                "decode_slack_seconds": row.costs.decode_slack_s,
             }
+            if row.costs.prefill_token_s is not None:
+                values["prefill_token_seconds"] = row.costs.prefill_token_s
             for name, value in values.items():
                 per_worker[name].add_metric(labels, value)
             if not load.gpus:

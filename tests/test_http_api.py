@@ -4,6 +4,7 @@ official `openai` client, against the gRPC path for the same greedy requests; an
 from __future__ import annotations
 
 import json
+import math
 import urllib.error
 import urllib.request
 
@@ -222,3 +223,9 @@ def test_metrics_count_each_request_and_show_the_pools(served, client):
         if key.startswith("pdserve_worker_kv_cache_usage_ratio")
     ]
     assert len(usage) == 2 and all(0.0 <= value <= 1.0 for value in usage)
+    # the costs the PD policy reads: the prefill worker's rate per prompt token, and every worker's
+    # slack, unbounded with nothing decoding any more
+    rate = [v for k, v in after.items() if k.startswith("pdserve_worker_prefill_token_seconds")]
+    assert len(rate) == 1 and 0 < rate[0] < 1, rate
+    slack = [v for k, v in after.items() if k.startswith("pdserve_worker_decode_slack_seconds")]
+    assert slack == [math.inf, math.inf], slack

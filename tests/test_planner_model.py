@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.planner.profile import Profile, ServingCosts
-from pdserve.planner.serving_probe import closed_loop, fit
+from pdserve.planner.serving_probe import PROBE_SHAPE, closed_loop, fit
 from pdserve.planner.shape import SystemShape
 from pdserve.planner.simulator import simulate
 from pdserve.planner.workload import Request, Workload
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _probe_loads(profile):
     """The probe's shape (--lend-cores off) and the simulator's figures for its two loads on the
     engine alone: one request at a time (5), four at a time (8)."""
-    probed = SystemShape.parse("1p1d@0.5", lend_cores=False)
+    probed = SystemShape.parse(PROBE_SHAPE, lend_cores=False)
     return (
         probed,
         simulate(profile, probed, SLO_LOOSE, closed_loop(5, 1)),
@@ -235,7 +235,7 @@ def test_borrowing_cost_is_fitted_on_the_load_with_lending_on():
     probed, lone_sim, batch_sim = _probe_loads(profile)
     lone = {"p50_ttft_ms": lone_sim.ttft_ms["p50"], "p50_tpot_ms": lone_sim.tpot_ms["p50"]}
     batch = {"p50_ttft_ms": batch_sim.ttft_ms["p50"], "p50_tpot_ms": batch_sim.tpot_ms["p50"]}
-    lent_sim = simulate(profile, SystemShape.parse("1p1d@0.5"), SLO_LOOSE, closed_loop(5, 1))
+    lent_sim = simulate(profile, SystemShape.parse(PROBE_SHAPE), SLO_LOOSE, closed_loop(5, 1))
     assert lent_sim.ttft_ms["p50"] < 0.6 * lone_sim.ttft_ms["p50"]  # two threads: lending works
     lent = {
         "p50_ttft_ms": lent_sim.ttft_ms["p50"] + 30.0,
@@ -249,7 +249,7 @@ def test_borrowing_cost_is_fitted_on_the_load_with_lending_on():
     )
     assert serving.borrow_decode_s == pytest.approx(0.001, abs=1e-4)
     again = simulate(
-        profile.with_serving(serving), SystemShape.parse("1p1d@0.5"), SLO_LOOSE, closed_loop(5, 1)
+        profile.with_serving(serving), SystemShape.parse(PROBE_SHAPE), SLO_LOOSE, closed_loop(5, 1)
     )
     assert again.ttft_ms["p50"] == pytest.approx(lent["p50_ttft_ms"], rel=0.01)
     assert again.tpot_ms["p50"] == pytest.approx(lent["p50_tpot_ms"], rel=0.02)

@@ -49,6 +49,12 @@ from pdserve.planner.profile import Profile, ServingCosts
 
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 128
+# The probe's servers as the simulator models them: every prompt on the prefill worker (the PD
+# policy would send one of a batch load's prompts local: not the serving path's cost), and a
+# prefill step taking every waiting prompt (the planner does not model a CPU's first come first
+# served yet)
+PROBE_SHAPE = "1p1d@0.5/remote"
+PROBE_FLAGS = ["--pd-policy", "remote", "--cpu-prefill-batch-tokens", "0"]
 _PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
@@ -62,7 +68,10 @@ def measure_serving(
     before_ms = engine_prefill_ms()
     log(f"serving probe: the engine alone prefills {PROMPT_TOKENS} tokens in {before_ms:.1f} ms")
     with _Server(profile, lend_cores="off") as port:
-        log(f"serving probe: pdserve serve --prefill 1 --decode 1 --lend-cores off, port {port}")
+        log(
+            f"serving probe: pdserve serve --prefill 1 --decode 1 --lend-cores off "
+            f"{' '.join(PROBE_FLAGS)}, port {port}"
+        )
         lone = _bench(port, lone_requests, 1, seed=5)
         log(
             f"  one at a time: TTFT p50 {lone['p50_ttft_ms']:.1f}, "
@@ -129,7 +138,7 @@ def fit(
     from router.slo import SLO
 
     engine_only = profile.with_serving(None)
-    shape = SystemShape.parse("1p1d@0.5", lend_cores=False)
+    shape = SystemShape.parse(PROBE_SHAPE, lend_cores=False)
     slo = SLO.parse("ttft:1000,tpot:50")  # only the lending slack reads it; the loads are light
     sim_lone = simulate(engine_only, shape, slo, closed_loop(lone_requests, 1))
     sim_batch = simulate(engine_only, shape, slo, closed_loop(2 * concurrency, concurrency))
@@ -156,7 +165,7 @@ def fit(
     token_s = max(0.0, (batch_extra_s - lone_extra_s) / (concurrency - 1))
     step_s = max(0.0, lone_extra_s - token_s)
     fitted_from = {
-        "shape": "1p1d (pdserve serve --prefill 1 --decode 1)",
+        "shape": f"1p1d (pdserve serve --prefill 1 --decode 1 {' '.join(PROBE_FLAGS)})",
         "workload": f"{PROMPT_TOKENS} in / {OUTPUT_TOKENS} out, ignore-eos",
         "lend_cores_off_one_at_a_time": _figures(lone, sim_lone, lone_requests),
         f"lend_cores_off_{concurrency}_at_a_time": _figures(batch, sim_batch, 2 * concurrency),
@@ -174,7 +183,7 @@ def fit(
         return serving
     sim_lent = simulate(
         profile.with_serving(serving),
-        SystemShape.parse("1p1d@0.5"),
+        SystemShape.parse(PROBE_SHAPE),
         slo,
         closed_loop(lone_requests, 1),
     )
@@ -240,6 +249,7 @@ class _Server:
             "1",
             "--lend-cores",
             lend_cores,
+            *PROBE_FLAGS,
             "--port",
             str(self.port),
         ] + ([] if dtype == "auto" else ["--dtype", dtype])

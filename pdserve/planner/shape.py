@@ -27,7 +27,10 @@ class SystemShape:
     pd_policy: str = "auto"
     local_prefill_max_tokens: int = 256
     decode_interleave_tokens: Optional[int] = 256  # the system's default (pdserve serve)
-    cpu_prefill_batch_tokens: Optional[int] = 256  # the system's default (pdserve serve)
+    # Serving's default on a CPU is 256 (long prompts one at a time); the planner still models a
+    # step taking every waiting prompt the budget holds, as the serving probe's fitted costs assume
+    # (its load of four prompts sent together); set it to model serving's first come first served
+    cpu_prefill_batch_tokens: Optional[int] = None
     routing: str = "prefix"
     lend_cores: bool = True  # idle cores, and decode cores within TPOT slack (runtime/cores.py)
     transport: str = "ray"

@@ -7,7 +7,8 @@ What it models, and whose code decides:
   with the blocks each worker holds; the PD decision is `router.pd_policy.decide` itself, on the
   costs each simulated worker measures of its steps as a worker does (`runtime.costs.CostMeter`)
   and its streams' slack;
-- a prefill worker: FIFO prompts batched under the engine's token budget, chunked beyond it; a step
+- a prefill worker: FIFO prompts batched under the engine's token budget (only up to
+  `SystemShape.cpu_prefill_batch_tokens` in all where the shape sets it), chunked beyond it; a step
   costs the sum of its sequences' chunks (`Profile.chunk_s`); the first token at the step's end;
   then the KV handoff (`Profile.handoff_s` of the blocks the decode worker lacks) before decoding
   starts;
