@@ -39,9 +39,8 @@ class Placement:
     ):
         self.routing = routing
         self._pd = pd
-        self._ttft_target_s = (
-            ttft_target_s  # the SLO's: the PD policy weighs the prefill queue by it
-        )
+        # the SLO's TTFT: the PD policy weighs the prefill queue by it
+        self._ttft_target_s = ttft_target_s
         self._kv_index = kv_index
         self.prefill_pool = prefill_pool
         self.decode_pool = decode_pool

@@ -20,7 +20,7 @@ calls `_at`, `_step_done`, `_decode_batch`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from runtime.cores import MIN_PAUSE_S, StreamProgress, decode_slack_s
 
@@ -154,9 +154,10 @@ class CoreModel:
     def _resume(self, owner: _Worker) -> None:
         """A lending owner's pause ends: the run loop starts its next step (nothing else to do)."""
 
-    def _slack_s(self, owner: _Worker, now_s: float) -> float:
-        """The engine loop's slack (`runtime.cores.decode_slack_s`) for the owner's running streams;
-        0 (nothing to lend) where it has none."""
+    def _slack_s(self, owner: _Worker, now_s: float, step_s: Optional[float] = None) -> float:
+        """The engine loop's slack (`runtime.cores.decode_slack_s`) for the owner's running streams,
+        at its mean decode step since start (lending) or at `step_s` (its recent step: the slack it
+        reports to the PD policy); 0 (nothing to lend) where it has none."""
         if not owner.decode_steps:
             return 0.0
         streams = [
@@ -167,5 +168,6 @@ class CoreModel:
             )
             for stream in owner.running
         ]
-        slack_s = decode_slack_s(streams, owner.decode_steps_s / owner.decode_steps, self.policy)
+        step_s = step_s or owner.decode_steps_s / owner.decode_steps
+        slack_s = decode_slack_s(streams, step_s, self.policy)
         return 0.0 if slack_s is None else slack_s

@@ -221,7 +221,11 @@ class Simulation(CoreModel):
     def _costs(self, candidate) -> WorkerCosts:
         """A candidate worker's costs as its engine loop would report them now."""
         worker = self._by_handle(candidate.worker)
-        slack_s = self._slack_s(worker, self.now_s) if worker.running else math.inf
+        slack_s = (
+            self._slack_s(worker, self.now_s, worker.meter.decode_step_s)
+            if worker.running
+            else math.inf
+        )
         return worker.meter.costs(slack_s)
 
     def _reserve(self, decode: _Worker, stream: _Stream) -> bool:
