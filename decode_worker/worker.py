@@ -113,7 +113,7 @@ class DecodeWorker(ParkingEndpoints):
             hooks=(self._poll_receiver, self._forget_gone_decodes),
             on_output=self._on_output,
             cores=share_cores(self.engine, cores),
-            tpot_budget_s=cores.tpot_budget_s,
+            core_policy=cores,
         )
         # KV that arrives wakes the loop: a worker waiting for a prompt's KV does not poll every few
         # milliseconds through the prefill (which computes on this worker's idle core meanwhile)

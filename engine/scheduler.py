@@ -89,14 +89,15 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int) -> Optional[ScheduledBatch]:
         seqs, chunks = [], []
-        shared = self.config.prefill_batch_tokens
+        shared, full_budget = self.config.prefill_batch_tokens, budget
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(seqs) >= self.config.max_num_seqs:
                 break
+            taken = full_budget - budget  # prompt tokens in the step so far
             if (
                 seqs
                 and shared is not None
-                and (sum(chunks) + seq.num_tokens - seq.num_computed_tokens > shared)
+                and (taken + seq.num_tokens - seq.num_computed_tokens > shared)
             ):
                 break  # it would hold back the prompts before it (first come, first served)
             if not seq.block_ids:

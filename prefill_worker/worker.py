@@ -78,7 +78,7 @@ class PrefillWorker(ParkingEndpoints):
             on_output=self._on_output,
             expecting_events=lambda: self.sender.ledger.num_held_requests > 0,
             cores=share_cores(self.engine, cores),
-            tpot_budget_s=cores.tpot_budget_s,
+            core_policy=cores,
         )
 
     def info(self) -> WorkerInfo:

@@ -41,17 +41,17 @@ class EngineLoop:
         expecting_events: Callable[[], bool] = lambda: False,
         busy_wait_s: float = 0.002,
         cores: Optional[CoreShare] = None,
-        tpot_budget_s: Optional[float] = None,
+        core_policy: CorePolicy = CorePolicy(),
     ):
         """`hooks` run on the loop thread before each step (transport polls); `on_output` turns each
         output into what is published; while `expecting_events()` (a transfer under way) the loop
         polls its hooks every `busy_wait_s` instead of sleeping. `cores`: this worker's share of the
         node's cores (its home cores held while it has work, idle ones borrowed per step).
-        `tpot_budget_s`: the SLO's TPOT, which its streams' slack in `costs` is reckoned against
-        (lending or not, on any device)."""
+        `core_policy`: the one `cores` shares by, whose TPOT budget its streams' slack in `costs`
+        is reckoned against (lending or not, on any device)."""
         self.engine = engine
         self.cores = cores
-        self._slack_policy = CorePolicy(tpot_budget_s=tpot_budget_s)
+        self._core_policy = core_policy
         self._hooks = hooks
         self._on_output = on_output
         self._busy_wait_s = busy_wait_s  # sleep between polls while hooks expect events (transfers)
@@ -213,7 +213,7 @@ class EngineLoop:
         elif step_s is None:
             slack_s = 0.0  # no decode step yet to judge by
         else:
-            slack_s = self._streams_slack_s(decoding, step_s, self._slack_policy) or 0.0
+            slack_s = self._streams_slack_s(decoding, step_s, self._core_policy) or 0.0
         self.costs = self.meter.costs(max(0.0, slack_s))
 
     def _flush_channel(self) -> None:

@@ -158,7 +158,7 @@ def test_the_costs_follow_the_recent_steps_and_the_slack_is_reckoned_without_len
         EngineConfig(model="dummy:tiny", block_size_tokens=8, decode_interleave_tokens=16),
         loaded=load_model("dummy:tiny", torch.float32),
     )
-    loop = EngineLoop(engine, tpot_budget_s=0.05)
+    loop = EngineLoop(engine, core_policy=CorePolicy(tpot_budget_s=0.05))
     loop._stopped = True
     loop._wake.set()
     loop._thread.join(5)

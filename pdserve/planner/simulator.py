@@ -276,12 +276,12 @@ class Simulation(CoreModel):
 
     def _prefill_batch(self, worker: _Worker, budget: int):
         chunks = []
-        shared = self.shape.cpu_prefill_batch_tokens
+        shared, full_budget = self.shape.cpu_prefill_batch_tokens, budget
         for stream in worker.waiting:
             if budget == 0:
                 break
             left = stream.request.prompt_tokens - stream.computed_tokens
-            if chunks and shared is not None and sum(c for _, c in chunks) + left > shared:
+            if chunks and shared is not None and full_budget - budget + left > shared:
                 break  # as engine.scheduler does on a CPU: first come, first served
             chunk = min(left, budget)
             chunks.append((stream, chunk))
