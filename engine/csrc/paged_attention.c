@@ -212,8 +212,144 @@ static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const
     return 0;                                                                                       \
 }
 
-DEFINE_SIMD_SEQUENCE(simd_sequence_f32, float, rows_f32)
-DEFINE_SIMD_SEQUENCE(simd_sequence_bf16, uint16_t, rows_bf16)
+DEFINE_SIMD_SEQUENCE(avx2_sequence_f32, float, rows_f32)
+DEFINE_SIMD_SEQUENCE(avx2_sequence_bf16, uint16_t, rows_bf16)
+
+#if defined(__AVX512F__) && !defined(PDSERVE_NO_AVX512)
+/* ---- The AVX-512 path (head_dim a multiple of 16) ---------------------------------------------------
+ * The AVX2 path's passes, block walk and prefetches at twice the width, with each bf16 row widened in
+ * the registers it is loaded into: the AVX2 path widens every block into `scratch` and reads it back,
+ * once for K and once for V, and on an AVX512-BF16 AMD EPYC that round trip and its 8-lane arithmetic
+ * kept a decode step's attention (16 sequences of 540 tokens, one thread) at 44 % of the step, about
+ * three times what the cache's bytes take to read there (docs/benchmarks.md):
+ *   scores: 4 tokens x 3 heads in 12 accumulators, each folded to 8 lanes and reduced four at a time;
+ *   V:      64 output lanes x 3 heads in 12 accumulators over a block's tokens (then 16 at a time).
+ * fp32 arithmetic throughout, as in the AVX2 path; only the order of the sums differs. */
+
+/* 16 fp32 lanes from the row at `p` (bf16, widened, or fp32). */
+INLINE __m512 load16(const void *p, const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+INLINE __m256 fold8(__m512 a) {  /* lanes i and i + 8 added */
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+/* As block_scores, for the rows of one kv head `row_bytes` apart from `k`. */
+INLINE void block_scores512(const float *q, const char *k, int64_t row_bytes, int64_t n, int64_t head_dim,
+                            float scale, float *scores, int64_t len, const int heads, const int bf16) {
+    const __m128 s = _mm_set1_ps(scale);
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        const char *kj[4];
+        for (int j = 0; j < 4; j++) kj[j] = k + (j0 + j < n ? j0 + j : n - 1) * row_bytes;  /* past n: unused */
+        __m512 acc[3][4];
+        for (int g = 0; g < 3; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            __m512 x[4];
+            for (int j = 0; j < 4; j++) x[j] = load16(kj[j] + d * elem, bf16);
+            for (int g = 0; g < heads; g++) {
+                const __m512 qv = _mm512_loadu_ps(q + g * head_dim + d);
+                for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(qv, x[j], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < heads; g++) {
+            const __m128 four = _mm_mul_ps(
+                hsum4(fold8(acc[g][0]), fold8(acc[g][1]), fold8(acc[g][2]), fold8(acc[g][3])), s);
+            if (n - j0 >= 4) {
+                _mm_storeu_ps(scores + g * len + j0, four);
+                continue;
+            }
+            float lane[4];
+            _mm_storeu_ps(lane, four);
+            for (int64_t j = 0; j < n - j0; j++) scores[g * len + j0 + j] = lane[j];
+        }
+    }
+}
+
+/* As block_values, for the rows of one kv head `row_bytes` apart from `v`: W vectors of 16 outputs per
+ * head for the columns from c. */
+INLINE void values_span512(float *out, const float *p, int64_t len, const char *v, int64_t row_bytes,
+                           int64_t n, int64_t head_dim, int64_t c, const int heads, const int bf16,
+                           const int W) {
+    const int64_t elem = bf16 ? 2 : 4;
+    __m512 a[3][4];
+    for (int g = 0; g < heads; g++)
+        for (int w = 0; w < W; w++) a[g][w] = _mm512_loadu_ps(out + g * head_dim + c + 16 * w);
+    for (int64_t j = 0; j < n; j++) {
+        __m512 x[4];
+        for (int w = 0; w < W; w++) x[w] = load16(v + j * row_bytes + (c + 16 * w) * elem, bf16);
+        for (int g = 0; g < heads; g++) {
+            const __m512 b = _mm512_set1_ps(p[g * len + j]);
+            for (int w = 0; w < W; w++) a[g][w] = _mm512_fmadd_ps(b, x[w], a[g][w]);
+        }
+    }
+    for (int g = 0; g < heads; g++)
+        for (int w = 0; w < W; w++) _mm512_storeu_ps(out + g * head_dim + c + 16 * w, a[g][w]);
+}
+
+INLINE void block_values512(float *out, const float *p, int64_t len, const char *v, int64_t row_bytes,
+                            int64_t n, int64_t head_dim, const int heads, const int bf16) {
+    int64_t c = 0;
+    for (; c + 64 <= head_dim; c += 64) values_span512(out, p, len, v, row_bytes, n, head_dim, c, heads, bf16, 4);
+    for (; c < head_dim; c += 16) values_span512(out, p, len, v, row_bytes, n, head_dim, c, heads, bf16, 1);
+}
+
+/* As FOR_BLOCK_ROWS, over `rows`: the first row of kv head h in the block, as bytes. */
+#define FOR_BLOCK_HEADS(CACHE, CALL) do {                                                           \
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
+        const char *block = (const char *)(CACHE) + table[t0 / block_size] * block_bytes;           \
+        const char *next = t0 + block_size < len ? (const char *)(CACHE) + table[t0 / block_size + 1] * block_bytes : NULL; \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
+            if (next) prefetch_block(next + h * head_bytes, head_bytes);                            \
+            const char *rows = block + h * head_dim * elem;                                         \
+            FOR_HEAD_GROUPS(h * group, group, CALL);                                                \
+        }                                                                                           \
+    }                                                                                               \
+} while (0)
+
+INLINE int avx512_sequence(const float *qb, const void *k_cache, const void *v_cache, const int64_t *table,
+                           int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, const int bf16) {
+    if (head_dim % 16 != 0 || len < 1) return NOT_HANDLED;
+    const int64_t elem = bf16 ? 2 : 4, group = num_heads / num_kv_heads;
+    const int64_t row_bytes = num_kv_heads * head_dim * elem, block_bytes = block_size * row_bytes;
+    const int64_t head_bytes = block_bytes / num_kv_heads; /* a kv head's share of a block */
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * len));
+    if (!scores) return -2;
+    FOR_BLOCK_HEADS(k_cache, block_scores512(qb + g * head_dim, rows, row_bytes, n, head_dim, scale,
+                                             scores + g * len + t0, len, heads, bf16));
+    if (len > block_size) prefetch_block((const char *)v_cache + table[0] * block_bytes, block_bytes);
+    softmax_rows(scores, num_heads, len);
+    memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+    FOR_BLOCK_HEADS(v_cache, block_values512(out + g * head_dim, scores + g * len + t0, len, rows, row_bytes,
+                                             n, head_dim, heads, bf16));
+    free(scores);
+    return 0;
+}
+
+/* The AVX-512 path where it serves the head size, else the AVX2 path. */
+#define DEFINE_DISPATCH(NAME, ELEM, BF16, AVX2)                                                     \
+static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table,   \
+                int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, \
+                int64_t block_size, float scale) {                                                  \
+    const int code = avx512_sequence(qb, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, \
+                                     head_dim, block_size, scale, BF16);                            \
+    if (code != NOT_HANDLED) return code;                                                           \
+    return AVX2(qb, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size, scale); \
+}
+DEFINE_DISPATCH(simd_sequence_f32, float, 0, avx2_sequence_f32)
+DEFINE_DISPATCH(simd_sequence_bf16, uint16_t, 1, avx2_sequence_bf16)
+#else
+#define simd_sequence_f32 avx2_sequence_f32
+#define simd_sequence_bf16 avx2_sequence_bf16
+#endif
 
 #else /* no AVX2 (or PDSERVE_PLAIN_LOOPS): the plain loops serve every call */
 #define simd_sequence_f32(...) NOT_HANDLED
