@@ -218,10 +218,11 @@ DEFINE_SIMD_SEQUENCE(avx2_sequence_bf16, uint16_t, rows_bf16)
 #if defined(__AVX512F__) && !defined(PDSERVE_NO_AVX512)
 /* ---- The AVX-512 path (head_dim a multiple of 16) ---------------------------------------------------
  * The AVX2 path's passes, block walk and prefetches at twice the width, with each bf16 row widened in
- * the registers it is loaded into: the AVX2 path widens every block into `scratch` and reads it back,
- * once for K and once for V, and on an AVX512-BF16 AMD EPYC that round trip and its 8-lane arithmetic
- * kept a decode step's attention (16 sequences of 540 tokens, one thread) at 44 % of the step, about
- * three times what the cache's bytes take to read there (docs/benchmarks.md):
+ * the registers it is loaded into (the AVX2 path widens every block into `scratch` and reads it back,
+ * once for K and once for V), and the next block prefetched into L2 (below). On an AVX512-BF16 AMD
+ * EPYC a decode step's attention over 16 sequences of 540 tokens (one thread) had been 44 % of the
+ * step, about three times what the cache's bytes take to read there; 30 layers of it now take 14.5
+ * against 23.9 ms with the blocks in order, 21.3 against 41.7 shuffled (docs/benchmarks.md):
  *   scores: 4 tokens x 3 heads in 12 accumulators, each folded to 8 lanes and reduced four at a time;
  *   V:      64 output lanes x 3 heads in 12 accumulators over a block's tokens (then 16 at a time).
  * fp32 arithmetic throughout, as in the AVX2 path; only the order of the sums differs. */
@@ -232,6 +233,15 @@ INLINE __m512 load16(const void *p, const int bf16) {
         return _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     return _mm512_loadu_ps((const float *)p);
+}
+
+/* The next block is prefetched into L2, not L1 as in the AVX2 path: a block's share of 32 lines
+ * (bf16) issued into L1 stalled on its miss buffers, and perf put 15 % of the kernel on the prefetch
+ * loop's own instructions; into L2, 30 layers of 16 sequences of 540 tokens took 20.9 against 35.2 ms
+ * with the blocks shuffled and 14.8 against 16.4 in order (one thread; L3 the same as L2, two blocks
+ * ahead the same as one, no prefetch 49.0 / 28.2). */
+INLINE void prefetch_block_l2(const void *block, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)block + o, _MM_HINT_T1);
 }
 
 INLINE __m256 fold8(__m512 a) {  /* lanes i and i + 8 added */
@@ -307,7 +317,7 @@ INLINE void block_values512(float *out, const float *p, int64_t len, const char 
         const char *block = (const char *)(CACHE) + table[t0 / block_size] * block_bytes;           \
         const char *next = t0 + block_size < len ? (const char *)(CACHE) + table[t0 / block_size + 1] * block_bytes : NULL; \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
-            if (next) prefetch_block(next + h * head_bytes, head_bytes);                            \
+            if (next) prefetch_block_l2(next + h * head_bytes, head_bytes);                         \
             const char *rows = block + h * head_dim * elem;                                         \
             FOR_HEAD_GROUPS(h * group, group, CALL);                                                \
         }                                                                                           \
@@ -325,7 +335,7 @@ INLINE int avx512_sequence(const float *qb, const void *k_cache, const void *v_c
     if (!scores) return -2;
     FOR_BLOCK_HEADS(k_cache, block_scores512(qb + g * head_dim, rows, row_bytes, n, head_dim, scale,
                                              scores + g * len + t0, len, heads, bf16));
-    if (len > block_size) prefetch_block((const char *)v_cache + table[0] * block_bytes, block_bytes);
+    if (len > block_size) prefetch_block_l2((const char *)v_cache + table[0] * block_bytes, block_bytes);
     softmax_rows(scores, num_heads, len);
     memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));
     FOR_BLOCK_HEADS(v_cache, block_values512(out + g * head_dim, scores + g * len + t0, len, rows, row_bytes,
