@@ -101,6 +101,17 @@ INLINE void prefetch_block(const void *block, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)block + o, _MM_HINT_T0);
 }
 
+/* The first min(4, count) lanes of `four` to dst[0..]. */
+INLINE void store_scores(float *dst, __m128 four, int64_t count) {
+    if (count >= 4) {  /* a store, not a call of memcpy for a variable size */
+        _mm_storeu_ps(dst, four);
+        return;
+    }
+    float lane[4];
+    _mm_storeu_ps(lane, four);
+    for (int64_t j = 0; j < count; j++) dst[j] = lane[j];
+}
+
 /* scores[g][t0 + j] = scale * q_g.k_j for HEADS query heads (q rows head_dim apart, scores rows `len`
  * apart) and the block's n tokens (k_j = k + j * stride). */
 INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t n, int64_t head_dim,
@@ -120,16 +131,9 @@ INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t
                 for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(qv, x[j], acc[g][j]);
             }
         }
-        for (int g = 0; g < heads; g++) {
-            const __m128 four = _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), s);
-            if (n - j0 >= 4) {  /* a store, not a call of memcpy for a variable size */
-                _mm_storeu_ps(scores + g * len + j0, four);
-                continue;
-            }
-            float lane[4];
-            _mm_storeu_ps(lane, four);
-            for (int64_t j = 0; j < n - j0; j++) scores[g * len + j0 + j] = lane[j];
-        }
+        for (int g = 0; g < heads; g++)
+            store_scores(scores + g * len + j0, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), s),
+                         n - j0);
     }
 }
 
@@ -268,17 +272,10 @@ INLINE void block_scores512(const float *q, const char *k, int64_t row_bytes, in
                 for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(qv, x[j], acc[g][j]);
             }
         }
-        for (int g = 0; g < heads; g++) {
-            const __m128 four = _mm_mul_ps(
-                hsum4(fold8(acc[g][0]), fold8(acc[g][1]), fold8(acc[g][2]), fold8(acc[g][3])), s);
-            if (n - j0 >= 4) {
-                _mm_storeu_ps(scores + g * len + j0, four);
-                continue;
-            }
-            float lane[4];
-            _mm_storeu_ps(lane, four);
-            for (int64_t j = 0; j < n - j0; j++) scores[g * len + j0 + j] = lane[j];
-        }
+        for (int g = 0; g < heads; g++)
+            store_scores(scores + g * len + j0,
+                         _mm_mul_ps(hsum4(fold8(acc[g][0]), fold8(acc[g][1]), fold8(acc[g][2]), fold8(acc[g][3])), s),
+                         n - j0);
     }
 }
 
