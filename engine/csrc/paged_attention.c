@@ -14,8 +14,9 @@
  * kernel shares the OpenMP runtime torch has already loaded, so its threads are torch's threads and
  * the two never oversubscribe the cores (a Python thread pool did, and was no faster than torch).
  *
- * Where the compiler targets AVX2 with FMA (AVX-512 cores too), an intrinsics path (below) serves head
- * sizes that are multiples of 8; the plain loops serve everything else and every other CPU.
+ * Where the compiler targets AVX2 with FMA, an intrinsics path (below) serves head sizes that are
+ * multiples of 8, and where it targets AVX-512 a 16-lane path serves multiples of 16 (the AVX2 path the
+ * rest); the plain loops serve everything else and every other CPU.
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,8 +62,8 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
  * not the precision (fp32 throughout). */
 #define NOT_HANDLED (-100)
 
-/* Wherever the compiler targets AVX2 with FMA, AVX-512 cores included: on an Intel Xeon with AVX-512
- * (and AMX) it beat the plain loops, which vectorize over 16 lanes there, by 1.3-1.8x (bf16, 9 query
+/* Wherever the compiler targets AVX2 with FMA, AVX-512 cores included (there, for head sizes the
+ * AVX-512 path below does not serve): on an Intel Xeon with AVX-512 (and AMX) it beat the plain loops, which vectorize over 16 lanes there, by 1.3-1.8x (bf16, 9 query
  * heads over 3 kv heads of 64, contexts of 600: batch 3, 30 layers, 3.8 against 6.3 ms on one thread,
  * 2.5 against 4.5 on two; not measured on an AMD AVX-512 core: `python -m benchmarks.paged_attention_bench`, which builds the plain loops
  * alone with -DPDSERVE_PLAIN_LOOPS). */
@@ -177,22 +178,28 @@ INLINE void block_values(float *out, const float *p, int64_t len, const float *v
     }                                                                                               \
 } while (0)
 
-/* For each block of the sequence (t0: its first token, n: its tokens; the next one prefetched) and
- * each kv head h of it: `rows`, that head's rows as fp32 `stride` floats apart, then CALL for every
- * group of its query heads (g, heads). Uses the names of DEFINE_SIMD_SEQUENCE's body. */
-#define FOR_BLOCK_ROWS(ELEM, CACHE, ROWS, CALL) do {                                                       \
+/* For each block of the sequence (t0: its first token, n: its tokens, `block`: its first byte) and each
+ * kv head h of it, BODY, after PREFETCH of the next block's share for one kv head (the hardware cannot
+ * guess where the block table points). Uses the names of the sequence functions' bodies (block_bytes,
+ * head_bytes: a kv head's share of a block). */
+#define FOR_KV_BLOCKS(CACHE, PREFETCH, BODY) do {                                                   \
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
-        const ELEM *block = (CACHE) + table[t0 / block_size] * block_size * row_size;              \
-        const ELEM *next = t0 + block_size < len ? (CACHE) + table[t0 / block_size + 1] * block_size * row_size : NULL; \
+        const char *block = (const char *)(CACHE) + table[t0 / block_size] * block_bytes;           \
+        const char *next = t0 + block_size < len ? (const char *)(CACHE) + table[t0 / block_size + 1] * block_bytes : NULL; \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
-            if (next) prefetch_block((const char *)next + h * head_bytes, head_bytes);               \
-            int64_t stride;                                                                         \
-            const float *rows = ROWS(block + h * head_dim, n, row_size, head_dim, scratch, &stride); \
-            FOR_HEAD_GROUPS(h * group, group, CALL);                                                \
+            if (next) PREFETCH(next + h * head_bytes, head_bytes);                                  \
+            BODY;                                                                                   \
         }                                                                                           \
     }                                                                                               \
 } while (0)
+
+/* FOR_KV_BLOCKS with `rows`, kv head h's rows of the block as fp32 `stride` floats apart, then CALL for
+ * every group of its query heads (g, heads). */
+#define FOR_BLOCK_ROWS(ELEM, CACHE, ROWS, CALL) FOR_KV_BLOCKS(CACHE, prefetch_block,                \
+    int64_t stride;                                                                                 \
+    const float *rows = ROWS((const ELEM *)block + h * head_dim, n, row_size, head_dim, scratch, &stride); \
+    FOR_HEAD_GROUPS(h * group, group, CALL))
 
 #define DEFINE_SIMD_SEQUENCE(NAME, ELEM, ROWS)                                                     \
 static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table,   \
@@ -307,19 +314,11 @@ INLINE void block_values512(float *out, const float *p, int64_t len, const char 
     for (; c < head_dim; c += 16) values_span512(out, p, len, v, row_bytes, n, head_dim, c, heads, bf16, 1);
 }
 
-/* As FOR_BLOCK_ROWS, over `rows`: the first row of kv head h in the block, as bytes. */
-#define FOR_BLOCK_HEADS(CACHE, CALL) do {                                                           \
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
-        const char *block = (const char *)(CACHE) + table[t0 / block_size] * block_bytes;           \
-        const char *next = t0 + block_size < len ? (const char *)(CACHE) + table[t0 / block_size + 1] * block_bytes : NULL; \
-        for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
-            if (next) prefetch_block_l2(next + h * head_bytes, head_bytes);                         \
-            const char *rows = block + h * head_dim * elem;                                         \
-            FOR_HEAD_GROUPS(h * group, group, CALL);                                                \
-        }                                                                                           \
-    }                                                                                               \
-} while (0)
+/* FOR_KV_BLOCKS with `rows`, kv head h's first row in the block as stored (bytes), then CALL for every
+ * group of its query heads (g, heads); the next block prefetched into L2. */
+#define FOR_BLOCK_HEADS(CACHE, CALL) FOR_KV_BLOCKS(CACHE, prefetch_block_l2,                        \
+    const char *rows = block + h * head_dim * elem;                                                 \
+    FOR_HEAD_GROUPS(h * group, group, CALL))
 
 INLINE int avx512_sequence(const float *qb, const void *k_cache, const void *v_cache, const int64_t *table,
                            int64_t len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
