@@ -125,7 +125,10 @@ class LLMEngine:
         prompt: Union[str, Seq[int]],
         params: SamplingParams,
         hand_off_after_prefill: bool = False,
+        ttft_deadline_s: Optional[float] = None,
     ) -> None:
+        """`ttft_deadline_s`: when its first token is due (`time.monotonic()`), which orders the
+        waiting prompts (`Scheduler.prefill_order`); None: first come, first served."""
         if request_id in self._seqs or request_id in self._held:
             raise RequestError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -141,6 +144,7 @@ class LLMEngine:
             params.with_seed(),
             arrival_time_s=time.monotonic(),
             hand_off_after_prefill=hand_off_after_prefill,
+            ttft_deadline_s=ttft_deadline_s,
             matcher=self._matcher(params, prompt_ids),
         )
         self._seqs[request_id] = seq

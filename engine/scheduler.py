@@ -8,15 +8,21 @@ long prompt arriving on a busy worker delays each running stream by one chunk at
 whole prefill. Sequences join and leave the running batch between steps. When a decode step needs a
 block and none is free, the most recently started sequence is preempted: its blocks are freed and it
 is recomputed later (prefix caching makes that cheap).
+
+Waiting prompts are taken first come, first served, unless they carry TTFT deadlines (a prefill
+worker's do, from the SLO): then earliest deadline first among those that can still make theirs,
+and the ones that cannot after them (`prefill_order`, engine/deadlines.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from engine.block_manager import BlockAllocator, OutOfBlocksError
+from engine.deadlines import Queued, deadline_order
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -50,10 +56,19 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.allocator = allocator
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
+        # Seconds a prompt token takes to prefill here, as its worker measures them
+        # (runtime/costs.py); None: not measured, the deadlines judged by the clock alone.
+        self.prefill_token_s: Optional[float] = None
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # the last step was a prefill (interleaving: a decode step comes next)
@@ -90,7 +105,7 @@ class Scheduler:
     def _schedule_prefill(self, budget: int) -> Optional[ScheduledBatch]:
         seqs, chunks = [], []
         shared, full_budget = self.config.prefill_batch_tokens, budget
-        for seq in self.waiting:
+        for seq in self.prefill_order():
             if budget == 0 or len(self.running) + len(seqs) >= self.config.max_num_seqs:
                 break
             taken = full_budget - budget  # prompt tokens in the step so far
@@ -99,7 +114,7 @@ class Scheduler:
                 and shared is not None
                 and (taken + seq.num_tokens - seq.num_computed_tokens > shared)
             ):
-                break  # it would hold back the prompts before it (first come, first served)
+                break  # it would hold back the prompts before it
             if not seq.block_ids:
                 try:
                     # every prompt position's logits: nothing from the prefix cache
@@ -120,6 +135,23 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk
         return ScheduledBatch(True, seqs, chunks) if seqs else None
+
+    def prefill_order(self) -> list[Sequence]:
+        """The waiting prompts in the order prefill steps take them (`engine.deadlines`): first
+        come, first served unless they carry TTFT deadlines."""
+        if all(seq.ttft_deadline_s is None for seq in self.waiting):
+            return list(self.waiting)
+        queued = [
+            Queued(
+                seq,
+                seq.num_tokens - seq.num_computed_tokens,
+                seq.ttft_deadline_s,
+                seq.arrival_time_s,
+                bool(seq.block_ids or seq.output_token_ids),
+            )
+            for seq in self.waiting
+        ]
+        return deadline_order(queued, self.clock(), self.prefill_token_s or 0.0)
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         scheduled: list[Sequence] = []

@@ -33,6 +33,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: Optional[FinishReason] = None
     arrival_time_s: float = 0.0
+    # When its first token is due (time.monotonic(), from the SLO's TTFT); None: no deadline. The
+    # scheduler's prefill order goes by it (Scheduler.prefill_order).
+    ttft_deadline_s: Optional[float] = None
     # Disaggregated prefill: after the first token, keep the KV for a handoff instead of decoding.
     hand_off_after_prefill: bool = False
     # Prompt logprobs (asked in params), of prompt tokens 1.. as the prefill's chunks compute them;

@@ -174,6 +174,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "prefill queue is longer)",
     )
     p.add_argument(
+        "--prefill-order",
+        default="slo",
+        choices=["slo", "fcfs"],
+        help="the prefill queue's order: slo (earliest TTFT deadline first among the prompts that "
+        "can still meet the SLO's TTFT, the late ones after them), fcfs (first come, first served)",
+    )
+    p.add_argument(
         "--local-prefill-max-tokens",
         type=int,
         default=256,
@@ -347,6 +354,7 @@ def _serve_config(args: argparse.Namespace, **overrides):
         kv_host=args.kv_host,
         kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
         pd_policy=args.pd_policy,
+        prefill_order=args.prefill_order,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         routing=args.routing,
         prefix_weight=args.prefix_weight,

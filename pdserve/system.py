@@ -72,6 +72,8 @@ class ServeConfig:
     cpu_prefill_batch_tokens: Optional[int] = 256
     # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
     pd_policy: str = "auto"
+    # the prefill queue's order (router.router.RouterConfig): slo or fcfs
+    prefill_order: str = "slo"
     # auto: prompts with this few tokens not cached there prefill on their decode worker
     local_prefill_max_tokens: int = 256
     # which worker of a pool: prefix (cached prefix against load) or load (router/kv_index.py)
@@ -501,6 +503,7 @@ async def start_system(config: ServeConfig) -> System:
             pd=config.pd,
             routing=config.routing_config,
             slo=config.slo_target,
+            prefill_order=config.prefill_order,
         ),
         tokenizer,
         WorkerPool("prefill"),

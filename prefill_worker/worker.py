@@ -89,12 +89,18 @@ class PrefillWorker(ParkingEndpoints):
         (the decode worker holds them already); None when the request was aborted meanwhile."""
         request_id = request.request_id
         outputs = self.loop.listen(request_id)
+        arrival_s = time.monotonic()
+        budget_s = request.ttft_budget_s
         try:
-            self._requests[request_id] = _Prefilling(request, time.monotonic())
+            self._requests[request_id] = _Prefilling(request, arrival_s)
             await self.parking.hold_async("queued", request_id)
             await self.loop.call(
                 lambda: self.engine.add_request(
-                    request_id, request.prompt_ids, request.params, hand_off_after_prefill=True
+                    request_id,
+                    request.prompt_ids,
+                    request.params,
+                    hand_off_after_prefill=True,
+                    ttft_deadline_s=None if budget_s is None else arrival_s + budget_s,
                 )
             )
             result = await outputs.get()

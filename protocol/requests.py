@@ -52,6 +52,10 @@ class PrefillRequest:
     skip_blocks: int = 0  # leading prompt blocks the decode worker reused: not sent
     # the decode worker's actor handle: its `admit` is called by the prefill worker, not the router
     decode: Any = None
+    # what is left of the SLO's TTFT as the router sends it: the prompt's deadline in the prefill
+    # queue (engine/scheduler.py: Scheduler.prefill_order); None: none (a migrated request, whose
+    # first token went out before, or `--prefill-order fcfs`)
+    ttft_budget_s: Optional[float] = None
 
 
 @dataclass(frozen=True)

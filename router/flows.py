@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from protocol.requests import AdmitColocatedRequest, PrefillRequest, RenewRequest
 from router.chunks import read_chunks
@@ -35,7 +35,8 @@ from router.worker_client import WorkerClient
 
 
 class Flows:
-    """`stats` is the router's `RouterStats` (first tokens)."""
+    """`stats` is the router's `RouterStats` (first tokens); `ttft_target_s`: the SLO's TTFT, which
+    orders the prefill queue (None: first come, first served)."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class Flows:
         kv_index: PrefixIndex,
         kv_timeout_s: float,
         stream_interval: int,
+        ttft_target_s: Optional[float] = None,
     ):
         self._placement = placement
         self._reservation = reservation
@@ -60,6 +62,8 @@ class Flows:
         self._kv_index = kv_index
         self._kv_timeout_s = kv_timeout_s
         self._stream_interval = stream_interval
+        # the SLO's TTFT, which prompts carry into the prefill queue; None: no deadlines (fcfs)
+        self._ttft_target_s = ttft_target_s
 
     async def disaggregated(
         self, record: RequestRecord, wid: str, prompt: Prompt, params, progress: Progress
@@ -96,6 +100,7 @@ class Flows:
                         decode.info.kv_address,
                         reused_blocks,
                         decode=decode.actor,
+                        ttft_budget_s=self._ttft_budget_s(progress),
                     ),
                     every_s=self._kv_timeout_s / 3,
                     tick=lambda: client.renew(decode, renewal),
@@ -143,6 +148,15 @@ class Flows:
             yield self._output.item(
                 progress, chunk.token_ids, chunk.finish_reason, decode.worker_id, chunk.logprobs
             )
+
+    def _ttft_budget_s(self, progress: Progress) -> Optional[float]:
+        """What is left of the SLO's TTFT for a prompt going to the prefill queue now: its deadline
+        there. None without a target, or when its first token went out already (a migration's
+        re-prefill, which the prefill worker then takes in its arrival order, ahead of the
+        prompts with deadlines after it)."""
+        if self._ttft_target_s is None or progress.first_token_s is not None:
+            return None
+        return self._ttft_target_s - (time.monotonic() - progress.start_s)
 
     async def local(
         self, record: RequestRecord, wid: str, prompt: Prompt, params, progress: Progress

@@ -29,6 +29,8 @@ from typing import NamedTuple, Optional
 from protocol.messages import WorkerCosts
 
 POLICIES = ("auto", "remote", "local")
+# the prefill pool's queue order (router.router.RouterConfig.prefill_order)
+PREFILL_ORDERS = ("slo", "fcfs")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from router.kv_index import PrefixIndex, RoutingConfig
 from router.metrics import RouterMetrics, Snapshot
 from router.output import FinalInfo, Output, Progress, StreamItem
 from router.overload import AdmissionLimits, OverloadedError
-from router.pd_policy import PDPolicyConfig
+from router.pd_policy import PREFILL_ORDERS, PDPolicyConfig
 from router.placement import Placement
 from router.pools.workers import WorkerHandle, WorkerPool
 from router.registry import Registry, RequestRecord, Route
@@ -71,10 +71,19 @@ class RouterConfig:
     pd: PDPolicyConfig = PDPolicyConfig()
     routing: RoutingConfig = RoutingConfig()  # which worker of a pool (router/kv_index.py)
     slo: SLO = SLO.parse(FAST_SLO)  # what completed requests are judged against (router/slo.py)
+    # The prefill pool's queue: "slo" sends each prompt with what is left of the SLO's TTFT, and the
+    # prefill worker takes the prompts that can still make it first, earliest deadline first
+    # (engine/scheduler.py: Scheduler.prefill_order); "fcfs": first come, first served.
+    prefill_order: str = "slo"
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(
+                f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, "
+                f"got {self.prefill_order!r}"
+            )
 
 
 class Router:
@@ -139,6 +148,7 @@ class Router:
             self._kv_index,
             config.kv_timeout_s,
             config.stream_interval,
+            config.slo.ttft_s if config.prefill_order == "slo" else None,
         )
 
     async def generate(

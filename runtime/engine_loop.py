@@ -200,6 +200,7 @@ class EngineLoop:
         engine = self.engine
         if engine.last_step_was_prefill:
             self.meter.prefill_step(engine.last_step_prompt_tokens, self.last_step_s)
+            engine.scheduler.prefill_token_s = self.meter.prefill_token_s  # for its deadlines
         else:
             self.meter.decode_step(self.last_step_s)
         decoding = [

@@ -1,5 +1,7 @@
 """The single-process engine: batching, preemption, finishing, sampling and bad input."""
 
+import time
+
 import pytest
 import torch
 
@@ -62,6 +64,30 @@ def test_continuous_batching_admits_new_requests_into_a_running_batch(tiny):
     assert [s.request_id for s in engine.scheduler.running] == ["first", "second"]
     decode_batch = engine.scheduler.schedule()
     assert not decode_batch.is_prefill and len(decode_batch.seqs) == 2
+
+
+def test_prompts_with_ttft_deadlines_prefill_by_them_with_unchanged_outputs(tiny):
+    prompts = _random_prompts([40, 40, 40], seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    config = EngineConfig(block_size_tokens=8, cpu_prefill_batch_tokens=16)  # one prompt a step
+    expected = LLMEngine(config, loaded=tiny).generate(prompts, params)
+    engine = LLMEngine(config, loaded=tiny)
+    now = time.monotonic()
+    # "late" is past its deadline: it waits for the two that can still make theirs
+    for request_id, prompt, deadline_s in zip(
+        ("late", "later", "sooner"), prompts, (now - 1.0, now + 200.0, now + 100.0)
+    ):
+        engine.add_request(request_id, prompt, params, ttft_deadline_s=deadline_s)
+    first_tokens, tokens = [], {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id not in tokens:
+                first_tokens.append(output.request_id)
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert first_tokens == ["sooner", "later", "late"]
+    assert [tokens[name] for name in ("late", "later", "sooner")] == [
+        result.token_ids for result in expected
+    ]
 
 
 def test_finish_reasons_and_abort_free_every_block(tiny):

@@ -25,6 +25,7 @@ TORCH_FREE_ENGINE = (
     "engine.block_manager",
     "engine.config",
     "engine.dtypes",
+    "engine.deadlines",
 )
 # Those the router may import: not the allocator (block hashing, which the router's prefix index
 # shares with it, is protocol.block_hash).

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.block_manager import BlockAllocator
+from engine.deadlines import Queued, deadline_order
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -126,6 +127,44 @@ def test_on_a_cpu_long_prompts_prefill_one_at_a_time_and_short_ones_share_a_step
     assert EngineConfig(cpu_prefill_batch_tokens=256).scheduler("cpu").prefill_batch_tokens == 256
     with pytest.raises(ValueError, match="prefill_batch_tokens"):
         SchedulerConfig(prefill_batch_tokens=0)
+
+
+def test_prompts_with_ttft_deadlines_go_earliest_first_and_the_late_ones_last():
+    allocator = BlockAllocator(256, 16, enable_prefix_caching=False)
+    clock = [10.0]
+    config = SchedulerConfig(max_num_batched_tokens=2048, prefill_batch_tokens=256)
+    scheduler = Scheduler(config, allocator, clock=lambda: clock[0])
+    scheduler.prefill_token_s = 0.001  # a 500-token prompt: 0.5 s
+    # a is late already; c would end at 11.0, after b, past its 10.8; d ends at 11.0, in time
+    for request_id, deadline_s in (("a", 9.0), ("c", 10.8), ("b", 10.6), ("d", 11.6)):
+        seq = _seq(request_id, 500)
+        seq.arrival_time_s, seq.ttft_deadline_s = deadline_s - 4.0, deadline_s
+        scheduler.add(seq)
+    assert [seq.request_id for seq in scheduler.prefill_order()] == ["b", "d", "a", "c"]
+    steps = []
+    while scheduler.waiting:
+        batch = scheduler.schedule()
+        steps.append([seq.request_id for seq in batch.seqs])
+        scheduler.after_prefill(batch)
+        clock[0] += 0.5
+    assert steps == [["b"], ["d"], ["a"], ["c"]]
+
+
+def test_the_deadline_order_keeps_begun_prompts_in_front_and_never_lates_one_without_deadline():
+    order = deadline_order(
+        [
+            Queued("late", 100, 1.0, 0.0, False),
+            Queued("no_deadline", 100, None, 1.5, False),
+            Queued("begun", 100, 0.5, 0.0, True),
+            Queued("in_time", 100, 9.0, 5.0, False),
+        ],
+        now_s=2.0,
+        token_s=0.01,  # 1 s a prompt
+    )
+    assert order == ["begun", "no_deadline", "in_time", "late"]
+    # without deadlines (fcfs, the engine alone): as given
+    fcfs = [Queued(name, 100, None, 0.0, False) for name in "xyz"]
+    assert deadline_order(fcfs, now_s=0.0, token_s=1.0) == ["x", "y", "z"]
 
 
 @pytest.fixture(scope="module")

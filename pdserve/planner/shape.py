@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from router.kv_index import RoutingConfig
-from router.pd_policy import POLICIES, PDPolicyConfig
+from router.pd_policy import POLICIES, PREFILL_ORDERS, PDPolicyConfig
 
 MODES = ("disaggregated", "colocated")
 _TEXT = re.compile(r"^(?:(\d+)p(\d+)d|colo(\d+))(?:@([0-9.]+))?(?:/(\w+))?$")
@@ -31,6 +31,8 @@ class SystemShape:
     # step taking every waiting prompt the budget holds, as the serving probe's fitted costs assume
     # (its load of four prompts sent together); set it to model serving's first come first served
     cpu_prefill_batch_tokens: Optional[int] = None
+    # the prefill queue's order (`pdserve serve --prefill-order`): slo, fcfs
+    prefill_order: str = "slo"
     routing: str = "prefix"
     lend_cores: bool = True  # idle cores, and decode cores within TPOT slack (runtime/cores.py)
     transport: str = "ray"
@@ -45,6 +47,11 @@ class SystemShape:
             )
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(
+                f"prefill order must be one of {', '.join(PREFILL_ORDERS)}, "
+                f"got {self.prefill_order!r}"
+            )
         if self.pd_policy not in POLICIES:
             raise ValueError(
                 f"pd policy must be one of {', '.join(POLICIES)}, got {self.pd_policy!r}"
@@ -111,4 +118,6 @@ class SystemShape:
                 f"--prefill {self.num_prefill} --decode {self.num_decode} "
                 f"--pd-policy {self.pd_policy}"
             )
+            if self.prefill_order != "slo":
+                flags += f" --prefill-order {self.prefill_order}"
         return f"{flags} --cpus-per-worker {self.cpus_per_worker:g} --transport {self.transport}"

@@ -7,11 +7,12 @@ What it models, and whose code decides:
   with the blocks each worker holds; the PD decision is `router.pd_policy.decide` itself, on the
   costs each simulated worker measures of its steps as a worker does (`runtime.costs.CostMeter`)
   and its streams' slack;
-- a prefill worker: FIFO prompts batched under the engine's token budget (only up to
-  `SystemShape.cpu_prefill_batch_tokens` in all where the shape sets it), chunked beyond it; a step
-  costs the sum of its sequences' chunks (`Profile.chunk_s`); the first token at the step's end;
-  then the KV handoff (`Profile.handoff_s` of the blocks the decode worker lacks) before decoding
-  starts;
+- a prefill worker: prompts in the order its scheduler takes them (`engine.deadlines` by the SLO's
+  TTFT under `SystemShape.prefill_order` "slo", FIFO under "fcfs"), batched under the engine's
+  token budget (only up to `SystemShape.cpu_prefill_batch_tokens` in all where the shape sets it),
+  chunked beyond it; a step costs the sum of its sequences' chunks (`Profile.chunk_s`); the first
+  token at the step's end; then the KV handoff (`Profile.handoff_s` of the blocks the decode worker
+  lacks) before decoding starts;
 - a decode or colocated worker: continuous batching as `engine.scheduler.Scheduler.schedule` does it
   (prefill chunks of `decode_interleave_tokens` alternating with decode steps while streams run, the
   whole budget when none do); a decode step costs `Profile.decode_step_s(batch, mean context)`;
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
 
+from engine.deadlines import Queued, deadline_order
 from pdserve.planner.profile import Profile
 from pdserve.planner.report import Report, summarize
 from pdserve.planner.shape import SystemShape
@@ -277,7 +279,7 @@ class Simulation(CoreModel):
     def _prefill_batch(self, worker: _Worker, budget: int):
         chunks = []
         shared, full_budget = self.shape.cpu_prefill_batch_tokens, budget
-        for stream in worker.waiting:
+        for stream in self._prefill_order(worker):
             if budget == 0:
                 break
             left = stream.request.prompt_tokens - stream.computed_tokens
@@ -287,6 +289,24 @@ class Simulation(CoreModel):
             chunks.append((stream, chunk))
             budget -= chunk
         return (True, chunks) if chunks else None
+
+    def _prefill_order(self, worker: _Worker) -> list:
+        """As a worker's scheduler orders its prompts: a prefill worker's by their TTFT deadlines
+        under `SystemShape.prefill_order` "slo" (engine.deadlines), first come first served
+        otherwise (a decode worker's local prompts carry none)."""
+        if worker.role != "prefill" or self.shape.prefill_order != "slo":
+            return list(worker.waiting)
+        queued = [
+            Queued(
+                stream,
+                stream.request.prompt_tokens - stream.computed_tokens,
+                stream.arrival_s + self.slo.ttft_s,
+                stream.arrival_s,
+                stream.computed_tokens > 0,
+            )
+            for stream in worker.waiting
+        ]
+        return deadline_order(queued, self.now_s, worker.meter.prefill_token_s or 0.0)
 
     def _decode_batch(self, worker: _Worker):
         return (False, [(stream, 1) for stream in worker.running]) if worker.running else None
