@@ -199,7 +199,7 @@ def test_fp32_decode_batches_on_avx2_run_the_decode_linear_kernel_on_panels_of_t
     # decode batches, one row included: the kernel's sums, to fp32 rounding, each row the same bits
     # whatever the rows beside it (batch-invariant)
     alone = [layer(x[i : i + 1]) for i in range(DECODE_KERNEL_MAX_ROWS - 1)]
-    for rows in (1, 2, 5, 6, 7, 13, DECODE_KERNEL_MAX_ROWS - 1):
+    for rows in (1, 2, 5, 6, 7, 8, 12, 13, DECODE_KERNEL_MAX_ROWS - 1):
         out = layer(x[:rows])
         torch.testing.assert_close(out, reference(x[:rows], weight, bias), rtol=1e-5, atol=1e-5)
         assert torch.equal(out, torch.cat(alone[:rows]))
