@@ -72,10 +72,11 @@ def test_prompts_with_ttft_deadlines_prefill_by_them_with_unchanged_outputs(tiny
     config = EngineConfig(block_size_tokens=8, cpu_prefill_batch_tokens=16)  # one prompt a step
     expected = LLMEngine(config, loaded=tiny).generate(prompts, params)
     engine = LLMEngine(config, loaded=tiny)
+    engine.scheduler.prefill_token_s = 1.0  # as if measured: a prompt takes 40 s
     now = time.monotonic()
-    # "late" is past its deadline: it waits for the two that can still make theirs
+    # "late" cannot make its deadline: it waits for the two that can still make theirs
     for request_id, prompt, deadline_s in zip(
-        ("late", "later", "sooner"), prompts, (now - 1.0, now + 200.0, now + 100.0)
+        ("late", "later", "sooner"), prompts, (now + 10.0, now + 200.0, now + 100.0)
     ):
         engine.add_request(request_id, prompt, params, ttft_deadline_s=deadline_s)
     first_tokens, tokens = [], {}

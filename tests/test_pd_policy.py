@@ -150,10 +150,10 @@ def test_prompts_with_ttft_deadlines_go_earliest_first_and_the_late_ones_last():
     assert steps == [["b"], ["d"], ["a"], ["c"]]
 
 
-def test_the_deadline_order_keeps_begun_prompts_in_front_and_never_lates_one_without_deadline():
+def test_the_deadline_order_keeps_begun_prompts_in_front_and_bounds_how_long_late_ones_wait():
     order = deadline_order(
         [
-            Queued("late", 100, 1.0, 0.0, False),
+            Queued("late", 100, 1.8, 0.0, False),
             Queued("no_deadline", 100, None, 1.5, False),
             Queued("begun", 100, 0.5, 0.0, True),
             Queued("in_time", 100, 9.0, 5.0, False),
@@ -162,6 +162,10 @@ def test_the_deadline_order_keeps_begun_prompts_in_front_and_never_lates_one_wit
         token_s=0.01,  # 1 s a prompt
     )
     assert order == ["begun", "no_deadline", "in_time", "late"]
+    # a late prompt is passed over until half its TTFT budget past its deadline (1 s: from 2.0 on)
+    overdue = [Queued("in_time", 100, 9.0, 5.0, False), Queued("late", 100, 1.5, 0.5, False)]
+    assert deadline_order(overdue, now_s=1.9, token_s=0.01) == ["in_time", "late"]
+    assert deadline_order(overdue, now_s=2.1, token_s=0.01) == ["late", "in_time"]
     # without deadlines (fcfs, the engine alone): as given
     fcfs = [Queued(name, 100, None, 0.0, False) for name in "xyz"]
     assert deadline_order(fcfs, now_s=0.0, token_s=1.0) == ["x", "y", "z"]
