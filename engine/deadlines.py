@@ -33,13 +33,13 @@ def deadline_order(queued: list[Queued], now_s: float, token_s: float) -> list[A
     deadlines: the order given."""
     if all(entry.deadline_s is None for entry in queued):
         return [entry.item for entry in queued]
-    begun = [entry for entry in queued if entry.begun]
-    waiting = [entry for entry in queued if not entry.begun]
-    overdue = sorted((entry for entry in waiting if _overdue(entry, now_s)), key=_due)
-    front = begun + overdue
+    begun, overdue, rest = [], [], []
+    for entry in queued:
+        (begun if entry.begun else overdue if _overdue(entry, now_s) else rest).append(entry)
+    front = begun + sorted(overdue, key=_due)
     done_s = now_s + token_s * sum(entry.tokens_left for entry in front)
     in_time, late = [], []
-    for entry in sorted((entry for entry in waiting if not _overdue(entry, now_s)), key=_due):
+    for entry in sorted(rest, key=_due):
         finish_s = done_s + token_s * entry.tokens_left
         if entry.deadline_s is None or finish_s <= entry.deadline_s:
             in_time.append(entry)
