@@ -52,10 +52,12 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
  * one core draws from memory, because they are bound by their own loads and stores. This path keeps
  * the same three passes (scores, softmax, V) but walks K and V block by block, and shares every K and
  * V row it loads among the (up to three at a time) query heads of its kv head. The next block is
- * prefetched (the hardware cannot guess where the block table points) a kv head's share before each kv
- * head of this one: issued all at once, its 192 lines (fp32, SmolLM2's heads) stalled on the core's miss
- * buffers instead of overlapping the arithmetic; spread, 1.05-1.37x faster over 30 layers' caches that
- * miss every level (fp32 and bf16, one and two threads; docs/benchmarks.md):
+ * prefetched (the hardware cannot guess where the block table points) while this one is computed, a
+ * kv head's share of it during each kv head of this one, a line or two per step of the inner loops:
+ * issued all at once, its 192 lines (fp32, SmolLM2's heads) stalled on the core's miss buffers instead
+ * of overlapping the arithmetic; a share at a time before each kv head, 1.05-1.37x faster over 30
+ * layers' caches that miss every level (fp32 and bf16, one and two threads), and spread through the
+ * loops 1.4-2.1x faster again on a Zen 1 EPYC (fp32; bf16 1.1-1.35x; docs/benchmarks.md):
  *   scores: 4 tokens x 3 heads in 12 accumulator registers, reduced four at a time by hadd;
  *   V:      16 output lanes x 3 heads in 6 registers over a block's tokens.
  * bf16 rows are widened to fp32 once per block. The order of the sums differs from the plain loops,
@@ -102,6 +104,28 @@ INLINE void prefetch_block(const void *block, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)block + o, _MM_HINT_T0);
 }
 
+/* The lines of the next block's share still to prefetch, issued a few at a time through the inner
+ * loops of this block's arithmetic: on a Zen 1 EPYC a kv head's share (64 lines, fp32) issued at once
+ * before its arithmetic stalled on the miss buffers; spread, 30 layers of 8 sequences of 540 tokens
+ * (fp32, one thread) took 27-35 against 45-52 ms (docs/benchmarks.md). Two blocks ahead, into L2, or
+ * one line per K step (the rest at the end) were no faster; four K and two V lines per step slower. */
+typedef struct { const char *at, *end; } Lines;
+
+INLINE Lines lines_of(const char *share, int64_t bytes) {
+    Lines lines = {share, share ? share + bytes : NULL};
+    return lines;
+}
+
+/* How many lines each of `steps` inner iterations prefetches so that all are issued by the last. */
+INLINE int64_t lines_per_step(const Lines *lines, int64_t steps) {
+    const int64_t left = lines->at ? (lines->end - lines->at) / 64 : 0;
+    return (left + steps - 1) / steps;
+}
+
+INLINE void prefetch_lines(Lines *lines, int64_t count) {
+    for (; count > 0 && lines->at < lines->end; count--, lines->at += 64) _mm_prefetch(lines->at, _MM_HINT_T0);
+}
+
 /* The first min(4, count) lanes of `four` to dst[0..]. */
 INLINE void store_scores(float *dst, __m128 four, int64_t count) {
     if (count >= 4) {  /* a store, not a call of memcpy for a variable size */
@@ -114,10 +138,11 @@ INLINE void store_scores(float *dst, __m128 four, int64_t count) {
 }
 
 /* scores[g][t0 + j] = scale * q_g.k_j for HEADS query heads (q rows head_dim apart, scores rows `len`
- * apart) and the block's n tokens (k_j = k + j * stride). */
+ * apart) and the block's n tokens (k_j = k + j * stride), prefetching `next` on the way. */
 INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t n, int64_t head_dim,
-                         float scale, float *scores, int64_t len, const int heads) {
+                         float scale, float *scores, int64_t len, const int heads, Lines *next) {
     const __m128 s = _mm_set1_ps(scale);
+    const int64_t step_lines = lines_per_step(next, (n + 3) / 4 * (head_dim / 8));
     for (int64_t j0 = 0; j0 < n; j0 += 4) {
         const float *kj[4];
         for (int j = 0; j < 4; j++) kj[j] = k + (j0 + j < n ? j0 + j : n - 1) * stride;  /* past n: unused */
@@ -127,6 +152,7 @@ INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t
         for (int64_t d = 0; d < head_dim; d += 8) {
             __m256 x[4];
             for (int j = 0; j < 4; j++) x[j] = _mm256_loadu_ps(kj[j] + d);
+            prefetch_lines(next, step_lines);
             for (int g = 0; g < heads; g++) {
                 const __m256 qv = _mm256_loadu_ps(q + g * head_dim + d);
                 for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(qv, x[j], acc[g][j]);
@@ -139,9 +165,10 @@ INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t
 }
 
 /* out_g[c..] += sum_j p_g[j] * v_j[c..] for HEADS query heads (outputs head_dim apart, p rows `len`
- * apart) over the block's n tokens, 16 lanes (then 8) at a time. */
+ * apart) over the block's n tokens, 16 lanes (then 8) at a time, prefetching `next` on the way. */
 INLINE void block_values(float *out, const float *p, int64_t len, const float *v, int64_t stride, int64_t n,
-                         int64_t head_dim, const int heads) {
+                         int64_t head_dim, const int heads, Lines *next) {
+    const int64_t step_lines = lines_per_step(next, head_dim / 16 * n + 1);
     int64_t c = 0;
     for (; c + 16 <= head_dim; c += 16) {
         __m256 a[3][2];
@@ -149,6 +176,7 @@ INLINE void block_values(float *out, const float *p, int64_t len, const float *v
             for (int w = 0; w < 2; w++) a[g][w] = _mm256_loadu_ps(out + g * head_dim + c + 8 * w);
         for (int64_t j = 0; j < n; j++) {
             const __m256 x0 = _mm256_loadu_ps(v + j * stride + c), x1 = _mm256_loadu_ps(v + j * stride + c + 8);
+            prefetch_lines(next, step_lines);
             for (int g = 0; g < heads; g++) {
                 const __m256 b = _mm256_broadcast_ss(p + g * len + j);
                 a[g][0] = _mm256_fmadd_ps(b, x0, a[g][0]);
@@ -179,27 +207,31 @@ INLINE void block_values(float *out, const float *p, int64_t len, const float *v
 } while (0)
 
 /* For each block of the sequence (t0: its first token, n: its tokens, `block`: its first byte) and each
- * kv head h of it, BODY, after PREFETCH of the next block's share for one kv head (the hardware cannot
- * guess where the block table points). Uses the names of the sequence functions' bodies (block_bytes,
- * head_bytes: a kv head's share of a block). */
-#define FOR_KV_BLOCKS(CACHE, PREFETCH, BODY) do {                                                   \
+ * kv head h of it, BODY, which prefetches `share`, the next block's share for one kv head (NULL after the
+ * last block; the hardware cannot guess where the block table points). Uses the names of the sequence
+ * functions' bodies (block_bytes, head_bytes: a kv head's share of a block). */
+#define FOR_KV_BLOCKS(CACHE, BODY) do {                                                             \
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                              \
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;                            \
         const char *block = (const char *)(CACHE) + table[t0 / block_size] * block_bytes;           \
         const char *next = t0 + block_size < len ? (const char *)(CACHE) + table[t0 / block_size + 1] * block_bytes : NULL; \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                                \
-            if (next) PREFETCH(next + h * head_bytes, head_bytes);                                  \
+            const char *share = next ? next + h * head_bytes : NULL;                                \
             BODY;                                                                                   \
         }                                                                                           \
     }                                                                                               \
 } while (0)
 
 /* FOR_KV_BLOCKS with `rows`, kv head h's rows of the block as fp32 `stride` floats apart, then CALL for
- * every group of its query heads (g, heads). */
-#define FOR_BLOCK_ROWS(ELEM, CACHE, ROWS, CALL) FOR_KV_BLOCKS(CACHE, prefetch_block,                \
+ * every group of its query heads (g, heads), which prefetch the lines of `ahead`, the next block's share
+ * (any left after them are issued at the end). */
+#define FOR_BLOCK_ROWS(ELEM, CACHE, ROWS, CALL) FOR_KV_BLOCKS(CACHE,                                \
     int64_t stride;                                                                                 \
+    Lines ahead_lines = lines_of(share, head_bytes);                                                \
+    Lines *ahead = &ahead_lines;                                                                    \
     const float *rows = ROWS((const ELEM *)block + h * head_dim, n, row_size, head_dim, scratch, &stride); \
-    FOR_HEAD_GROUPS(h * group, group, CALL))
+    FOR_HEAD_GROUPS(h * group, group, CALL);                                                        \
+    prefetch_lines(ahead, head_bytes / 64))
 
 #define DEFINE_SIMD_SEQUENCE(NAME, ELEM, ROWS)                                                     \
 static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table,   \
@@ -213,12 +245,12 @@ static int NAME(const float *qb, const ELEM *k_cache, const ELEM *v_cache, const
     if (!scores) return -2;                                                                         \
     float *scratch = scores + num_heads * len;                                                      \
     FOR_BLOCK_ROWS(ELEM, k_cache, ROWS, block_scores(qb + g * head_dim, rows, stride, n, head_dim, scale, \
-                                               scores + g * len + t0, len, heads));                 \
+                                               scores + g * len + t0, len, heads, ahead));          \
     if (len > block_size) prefetch_block(v_cache + table[0] * block_size * row_size, block_bytes);  \
     softmax_rows(scores, num_heads, len);                                                           \
     memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));                                 \
     FOR_BLOCK_ROWS(ELEM, v_cache, ROWS, block_values(out + g * head_dim, scores + g * len + t0, len, rows, stride, \
-                                               n, head_dim, heads));                                \
+                                               n, head_dim, heads, ahead));                         \
     free(scores);                                                                                   \
     return 0;                                                                                       \
 }
@@ -316,7 +348,8 @@ INLINE void block_values512(float *out, const float *p, int64_t len, const char 
 
 /* FOR_KV_BLOCKS with `rows`, kv head h's first row in the block as stored (bytes), then CALL for every
  * group of its query heads (g, heads); the next block prefetched into L2. */
-#define FOR_BLOCK_HEADS(CACHE, CALL) FOR_KV_BLOCKS(CACHE, prefetch_block_l2,                        \
+#define FOR_BLOCK_HEADS(CACHE, CALL) FOR_KV_BLOCKS(CACHE,                                           \
+    if (share) prefetch_block_l2(share, head_bytes);                                                \
     const char *rows = block + h * head_dim * elem;                                                 \
     FOR_HEAD_GROUPS(h * group, group, CALL))
 
