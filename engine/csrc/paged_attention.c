@@ -138,11 +138,11 @@ INLINE void store_scores(float *dst, __m128 four, int64_t count) {
 }
 
 /* scores[g][t0 + j] = scale * q_g.k_j for HEADS query heads (q rows head_dim apart, scores rows `len`
- * apart) and the block's n tokens (k_j = k + j * stride), prefetching `next` on the way. */
+ * apart) and the block's n tokens (k_j = k + j * stride), prefetching `ahead` on the way. */
 INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t n, int64_t head_dim,
-                         float scale, float *scores, int64_t len, const int heads, Lines *next) {
+                         float scale, float *scores, int64_t len, const int heads, Lines *ahead) {
     const __m128 s = _mm_set1_ps(scale);
-    const int64_t step_lines = lines_per_step(next, (n + 3) / 4 * (head_dim / 8));
+    const int64_t step_lines = lines_per_step(ahead, (n + 3) / 4 * (head_dim / 8));
     for (int64_t j0 = 0; j0 < n; j0 += 4) {
         const float *kj[4];
         for (int j = 0; j < 4; j++) kj[j] = k + (j0 + j < n ? j0 + j : n - 1) * stride;  /* past n: unused */
@@ -152,7 +152,7 @@ INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t
         for (int64_t d = 0; d < head_dim; d += 8) {
             __m256 x[4];
             for (int j = 0; j < 4; j++) x[j] = _mm256_loadu_ps(kj[j] + d);
-            prefetch_lines(next, step_lines);
+            prefetch_lines(ahead, step_lines);
             for (int g = 0; g < heads; g++) {
                 const __m256 qv = _mm256_loadu_ps(q + g * head_dim + d);
                 for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(qv, x[j], acc[g][j]);
@@ -165,10 +165,10 @@ INLINE void block_scores(const float *q, const float *k, int64_t stride, int64_t
 }
 
 /* out_g[c..] += sum_j p_g[j] * v_j[c..] for HEADS query heads (outputs head_dim apart, p rows `len`
- * apart) over the block's n tokens, 16 lanes (then 8) at a time, prefetching `next` on the way. */
+ * apart) over the block's n tokens, 16 lanes (then 8) at a time, prefetching `ahead` on the way. */
 INLINE void block_values(float *out, const float *p, int64_t len, const float *v, int64_t stride, int64_t n,
-                         int64_t head_dim, const int heads, Lines *next) {
-    const int64_t step_lines = lines_per_step(next, head_dim / 16 * n + 1);
+                         int64_t head_dim, const int heads, Lines *ahead) {
+    const int64_t step_lines = lines_per_step(ahead, head_dim / 16 * n + 1);
     int64_t c = 0;
     for (; c + 16 <= head_dim; c += 16) {
         __m256 a[3][2];
@@ -176,7 +176,7 @@ INLINE void block_values(float *out, const float *p, int64_t len, const float *v
             for (int w = 0; w < 2; w++) a[g][w] = _mm256_loadu_ps(out + g * head_dim + c + 8 * w);
         for (int64_t j = 0; j < n; j++) {
             const __m256 x0 = _mm256_loadu_ps(v + j * stride + c), x1 = _mm256_loadu_ps(v + j * stride + c + 8);
-            prefetch_lines(next, step_lines);
+            prefetch_lines(ahead, step_lines);
             for (int g = 0; g < heads; g++) {
                 const __m256 b = _mm256_broadcast_ss(p + g * len + j);
                 a[g][0] = _mm256_fmadd_ps(b, x0, a[g][0]);
