@@ -22,7 +22,7 @@ from typing import AsyncIterator, Optional
 
 from protocol.requests import AdmitColocatedRequest, PrefillRequest, RenewRequest
 from router.chunks import read_chunks
-from router.counting import Count
+from router.counting import Count, QueuedPrompt
 from router.failures import RequestAborted
 from router.kv_index import PrefixIndex
 from router.metrics import RouterMetrics
@@ -73,7 +73,8 @@ class Flows:
             # The prompt counts in its prefill worker's queue from now, so the next request's
             # placement sees it; no prefill worker: UNAVAILABLE at once, before reserving anything.
             prefill = placement.pick(placement.prefill_pool, prompt)
-            queued = counts.enter_context(Count(prefill, "queued_prompt_tokens", len(prompt.ids)))
+            deadline_s = self._deadline_s(progress)
+            queued = counts.enter_context(QueuedPrompt(prefill, len(prompt.ids), deadline_s))
             decode, reused_blocks = await self._reservation.reserve(record, wid, prompt)
             if not prefill.is_ready:  # it began draining or died while we reserved: another one
                 queued.release()
@@ -82,7 +83,7 @@ class Flows:
                 except NoWorkerError:
                     client.abort(decode, wid)  # frees the reservation now, not at its timeout
                     raise
-                counts.enter_context(Count(prefill, "queued_prompt_tokens", len(prompt.ids)))
+                counts.enter_context(QueuedPrompt(prefill, len(prompt.ids), deadline_s))
             route = self._registry.track(record, wid, prefill, decode)
             # The reservation's clock is renewed while the prompt waits in the prefill queue: a long
             # queue must never expire it (its timeout is for KV that stopped coming, not for KV not
@@ -100,7 +101,7 @@ class Flows:
                         decode.info.kv_address,
                         reused_blocks,
                         decode=decode.actor,
-                        ttft_budget_s=self._ttft_budget_s(progress),
+                        ttft_budget_s=None if deadline_s is None else deadline_s - time.monotonic(),
                     ),
                     every_s=self._kv_timeout_s / 3,
                     tick=lambda: client.renew(decode, renewal),
@@ -149,14 +150,14 @@ class Flows:
                 progress, chunk.token_ids, chunk.finish_reason, decode.worker_id, chunk.logprobs
             )
 
-    def _ttft_budget_s(self, progress: Progress) -> Optional[float]:
-        """What is left of the SLO's TTFT for a prompt going to the prefill queue now: its deadline
-        there. None without a target, or when its first token went out already (a migration's
-        re-prefill, which the prefill worker then takes in its arrival order, ahead of the
-        prompts with deadlines after it)."""
+    def _deadline_s(self, progress: Progress) -> Optional[float]:
+        """When the SLO's TTFT for a prompt going to the prefill queue runs out (time.monotonic()):
+        what is left of it is sent as its deadline there. None without a target, or when its first
+        token went out already (a migration's re-prefill, which the prefill worker then takes in its
+        arrival order, ahead of the prompts with deadlines after it)."""
         if self._ttft_target_s is None or progress.first_token_s is not None:
             return None
-        return self._ttft_target_s - (time.monotonic() - progress.start_s)
+        return progress.start_s + self._ttft_target_s
 
     async def local(
         self, record: RequestRecord, wid: str, prompt: Prompt, params, progress: Progress

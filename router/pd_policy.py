@@ -11,9 +11,10 @@ step, how long the decode worker's streams could wait within the TPOT target). A
   saves): a short prompt, or one whose prefix the decode worker holds already (a conversation's
   earlier turns, reported by its KV events: router/kv_index.py);
 - or when its first token comes sooner there, its streams can wait that long, and either the
-  prefill pool would miss the TTFT target (its queue is long) or the decode worker has less than
-  half as much to compute (it holds a prefix the prefill pool lacks: its streams wait for that
-  work, so it counts twice).
+  prefill pool would miss the TTFT target (the prompts it would take first are many: with TTFT
+  deadlines, those in its deadline order before the new prompt, which goes ahead of the ones already
+  late) or the decode worker has less than half as much to compute (it holds a prefix the prefill
+  pool lacks: its streams wait for that work, so it counts twice).
 Otherwise remote: a prompt the prefill pool serves within the TTFT target never stalls the streams
 (their inter-token tail is what disaggregation buys). The decision reads only numbers the router
 already keeps (queued prompt tokens, the costs that come with results and token streams), so it
@@ -58,7 +59,10 @@ class Decision(NamedTuple):
 class Side(NamedTuple):
     """One path's best worker as the router sees it."""
 
-    queued_tokens: int  # prompt tokens routed there to prefill whose first token has not come back
+    # prompt tokens routed there to prefill whose first token has not come back, those the prompt
+    # would wait for: a prefill worker's in its deadline order (router/placement.py), all of them on
+    # a decode worker (its local prompts go by arrival)
+    queued_tokens: int
     cached_tokens: int  # of this prompt, what it holds already
     costs: WorkerCosts = WorkerCosts()
 

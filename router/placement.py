@@ -4,9 +4,12 @@ pools' best candidates compared). Pure bookkeeping on what the router knows: no 
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.deadlines import Queued, deadline_order  # torch-free
 from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
 from router.metrics import RouterMetrics
 from router.pd_policy import Decision, PDPolicyConfig, Side, decide
@@ -65,14 +68,18 @@ class Placement:
 
     def place(self, prompt: Prompt) -> Decision:
         """Where a disaggregated request's prompt is prefilled: the prefill pool, or its decode
-        worker (each pool's best candidate compared: queued prompt tokens, what each holds of the
-        prompt, the costs each reported)."""
+        worker (each pool's best candidate compared: the queued prompt tokens it would wait for,
+        what each holds of the prompt, the costs each reported)."""
         remote = next(iter(self.ranked(self.prefill_pool, prompt)), None)
         local = next(iter(self.ranked(self.decode_pool, prompt)), None)
+        # the prefill worker's queue counts up to where this prompt would stand in it
+        ahead = remote and _tokens_ahead(
+            remote.worker, len(prompt.ids) - remote.cached_tokens, self._ttft_target_s
+        )
         decision = decide(
             self._pd,
             len(prompt.ids),
-            _side(remote),
+            _side(remote, ahead),
             _side(local) or Side(0, 0),
             self._ttft_target_s,
         )
@@ -99,8 +106,36 @@ class Placement:
         self._metrics.routing_decisions.labels(role, reason).inc()
 
 
-def _side(candidate: Optional[Candidate]) -> Optional[Side]:
+def _side(candidate: Optional[Candidate], queued_tokens: Optional[int] = None) -> Optional[Side]:
+    """`queued_tokens`: those of its queued prompt tokens the prompt waits for; None: all."""
     if candidate is None:
         return None
     worker = candidate.worker
-    return Side(worker.queued_prompt_tokens, candidate.cached_tokens, worker.costs)
+    if queued_tokens is None:
+        queued_tokens = worker.queued_prompt_tokens
+    return Side(queued_tokens, candidate.cached_tokens, worker.costs)
+
+
+def _tokens_ahead(worker: WorkerHandle, tokens: int, ttft_target_s: float) -> int:
+    """The queued prompt tokens a prefill worker would compute before a prompt of `tokens` sent
+    now with the SLO's TTFT as its deadline, the new prompt in its place in the worker's deadline
+    order (engine.deadlines, reckoned at the worker's measured speed): the late prompts wait behind
+    it, so a queue that holds them need not send it to the decode worker. All of them where the
+    speed is not measured yet, or without a target (first come first served, prompts sent without
+    deadlines, reckon alike: they go by arrival)."""
+    token_s = worker.costs.prefill_token_s
+    queued = list(worker.queued_prompts.values())
+    if token_s is None or not queued or math.isinf(ttft_target_s):
+        return worker.queued_prompt_tokens
+    now_s = time.monotonic()
+    # each entry's item its tokens, the new prompt's None; the worker is computing one of them
+    # (a prompt leaves at its first token), the one sent first as far as the router can tell
+    first = min(queued, key=lambda entry: entry.arrival_s)
+    entries = [entry._replace(item=entry.tokens_left, begun=entry is first) for entry in queued]
+    new = Queued(None, tokens, now_s + ttft_target_s, now_s, False)
+    ahead = 0
+    for entry_tokens in deadline_order([*entries, new], now_s, token_s):
+        if entry_tokens is None:
+            break
+        ahead += entry_tokens
+    return ahead

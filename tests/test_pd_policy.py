@@ -5,6 +5,7 @@ output identical to the single-process engine either way."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,8 +16,13 @@ from engine.deadlines import Queued, deadline_order
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
-from protocol.messages import WorkerCosts
+from protocol.messages import WorkerCosts, WorkerInfo
+from router.counting import QueuedPrompt
+from router.kv_index import PrefixIndex, RoutingConfig
+from router.metrics import RouterMetrics
 from router.pd_policy import Decision, PDPolicyConfig, Side, decide
+from router.placement import Placement
+from router.pools.workers import WorkerHandle, WorkerPool
 
 MS = 1e-3
 REMOTE, LOCAL = Decision("remote", "default"), Decision("local", "prefill_queue")
@@ -62,6 +68,53 @@ def test_the_policy_goes_local_when_the_prefill_queue_would_miss_the_ttft_target
 
 def _seq(request_id: str, prompt_tokens: int) -> Sequence:
     return Sequence(request_id, list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=100))
+
+
+def test_a_new_prompt_reckons_its_remote_ttft_from_its_place_in_the_deadline_order():
+    """A prompt sent to a prefill worker whose queue holds late prompts goes ahead of them there
+    (engine.deadlines), so the PD policy reckons its remote TTFT from the prompts before it, not
+    the whole queue: it stays on the prefill pool, where it meets the target, and no stream on the
+    decode worker waits for it."""
+    prefill = _worker("prefill-0", "prefill", WorkerCosts(prefill_token_s=1 * MS))
+    decode = _worker("decode-0", "decode", WorkerCosts(prefill_token_s=1 * MS))
+    placement = Placement(
+        RoutingConfig("load"),
+        PDPolicyConfig(),
+        PrefixIndex(),
+        WorkerPool("prefill", [prefill]),
+        WorkerPool("decode", [decode]),
+        RouterMetrics(),
+        1.0,
+    )
+    prompt = placement.prompt(list(range(1, 513)))  # 0.512 s on either worker
+    now = time.monotonic()
+    # the prompt sent first is the one the worker computes now: the new one waits for it
+    running = QueuedPrompt(prefill, 128, now + 0.9)
+    # 1024 tokens already late (due in 0.3 s): the new prompt goes ahead of them, its first token
+    # in 0.64 s; counting the whole queue it would take 1.664 s and go to the decode worker
+    late = QueuedPrompt(prefill, 1024, now + 0.3)
+    assert placement.place(prompt) == REMOTE
+    # 256 tokens that can make their deadline go before it: 0.896 s
+    soon = QueuedPrompt(prefill, 256, now + 0.9)
+    assert placement.place(prompt) == REMOTE
+    # 512 more of them: it would be late itself (1.408 s), behind the late ones (2.432 s)
+    later = QueuedPrompt(prefill, 512, now + 0.95)
+    assert prefill.queued_prompt_tokens == 1920
+    assert placement.place(prompt) == LOCAL
+    later.release()
+    soon.release()
+    # a prompt sent without a deadline (first come first served, a migration's re-prefill) goes
+    # by its arrival: the new one waits for it, and for the late ones too once it is late itself
+    undated = QueuedPrompt(prefill, 1024, None)
+    assert placement.place(prompt) == LOCAL
+    for count in (undated, late, running):
+        count.release()
+    assert prefill.queued_prompt_tokens == 0 and not prefill.queued_prompts
+
+
+def _worker(worker_id: str, role: str, costs: WorkerCosts) -> WorkerHandle:
+    info = WorkerInfo(worker_id, role, "node", None, 100, 4096, 100, block_size_tokens=16)
+    return WorkerHandle(None, info, costs=costs)
 
 
 def test_the_scheduler_interleaves_prefill_chunks_with_decode_steps():

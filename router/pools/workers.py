@@ -33,6 +33,8 @@ class WorkerHandle:
     in_flight: int = 0  # requests this router has routed here and not seen finish
     # prompt tokens routed here to prefill whose first token has not come back
     queued_prompt_tokens: int = 0
+    # those prompts, each with its TTFT deadline (router.counting.QueuedPrompt; a prefill worker's)
+    queued_prompts: dict = field(default_factory=dict)
     # KV reservations on their way here, not yet tracked in `in_flight` (a drain waits for both)
     reserving: int = 0
     state: WorkerState = WorkerState.READY  # changed by the methods below only
