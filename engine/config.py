@@ -206,6 +206,10 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
     # decode steps replayed from CUDA graphs on CUDA (engine.cuda_graphs); no effect elsewhere
     cuda_graphs: bool = True
+    # Batch-invariant kernels only (engine/deterministic.py): a row's result depends neither on the
+    # batch it shares nor on prefill against decode, so greedy output is token-identical across
+    # batching, chunking, migration and where a prompt prefills; CPU only, at a cost in speed.
+    deterministic: bool = False
     # Produce output text. Workers turn it off: the router detokenizes, and the engine then decodes
     # text only for requests with stop strings, which it must see to stop at the right token.
     detokenize: bool = True

@@ -47,12 +47,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from engine.paged_attention import (
-    DISABLE_ENV as KERNELS_DISABLE_ENV,
-    DTYPE_SUFFIXES,
-    KernelBuildError,
-    build,
-)
+from engine import kernels
+from engine.cpu_features import amx_unavailable_reason
+from engine.kernels import DISABLE_ENV as KERNELS_DISABLE_ENV, KernelFailed, open_library
+from engine.paged_attention import DTYPE_SUFFIXES, build  # noqa: F401 (tests and benchmarks build through it)
 
 DISABLE_ENV = "PDSERVE_DISABLE_PACKING"
 log = logging.getLogger(__name__)
@@ -79,6 +77,9 @@ def transposing_supported(dtype: torch.dtype, device: torch.device | str) -> boo
 
 # from 64 rows on (prefill chunks) MKL on the transposed weight serves
 DECODE_KERNEL_MAX_ROWS = 64
+# the most rows one call of decode_linear_f32 takes (its MAX_ROWS): a bigger batch (--deterministic
+# prefill chunks) goes in slices of it, each row's sums the same
+_F32_KERNEL_CALL_ROWS = 64
 DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear.c"
 _TILE_OUTPUTS = 16  # the kernels' tile width: a layer's outputs must be a multiple of it
 BF16_DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear_bf16.c"
@@ -118,11 +119,12 @@ class DecodeLinear:
     batch where the CPU has no AMX, prefill chunks included)."""
 
     def __init__(self, library_path: Path, dtype: torch.dtype = torch.float32):
-        fn = getattr(ctypes.CDLL(str(library_path)), f"decode_linear_{DTYPE_SUFFIXES[dtype]}")
+        fn = getattr(open_library(library_path), f"decode_linear_{DTYPE_SUFFIXES[dtype]}")
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
         fn.restype = ctypes.c_int
         self._fn = fn
         self.dtype = dtype
+        self.op = f"linear_{DTYPE_SUFFIXES[dtype]}"  # engine/kernels.py's name
 
     def __call__(
         self, x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor]
@@ -130,20 +132,26 @@ class DecodeLinear:
         x = x if x.stride(1) == 1 else x.contiguous()
         outputs = panels.shape[0] * _TILE_OUTPUTS
         out = torch.empty(x.shape[0], outputs, dtype=self.dtype)
-        code = self._fn(
-            x.data_ptr(),
-            panels.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            outputs,
-            x.stride(0),
-            out.stride(0),
-            torch.get_num_threads(),
-        )
-        if code:
-            raise RuntimeError(f"decode linear kernel failed (code {code})")
+        if kernels.is_disabled(self.op):
+            raise KernelFailed(self.op)
+        call_rows = _F32_KERNEL_CALL_ROWS if self.dtype == torch.float32 else max(1, x.shape[0])
+        for first in range(0, x.shape[0], call_rows):
+            rows = min(call_rows, x.shape[0] - first)
+            code = self._fn(
+                x[first:].data_ptr(),
+                panels.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                out[first:].data_ptr(),
+                rows,
+                x.shape[1],
+                outputs,
+                x.stride(0),
+                out.stride(0),
+                torch.get_num_threads(),
+            )
+            if code:
+                kernels.disable(self.op, f"code {code}")
+                raise KernelFailed(f"{self.op} kernel failed (code {code})")
         return out
 
 
@@ -153,11 +161,7 @@ def load_decode_linear() -> Optional[DecodeLinear]:
     cannot be built."""
     if not decode_linear_supported():
         return None
-    try:
-        return DecodeLinear(build(source=DECODE_LINEAR_SOURCE))
-    except (KernelBuildError, OSError) as exc:
-        log.warning("fp32 decode linear kernel unavailable, MKL serves decode batches: %s", exc)
-        return None
+    return kernels.select("linear_f32", lambda library, _: DecodeLinear(library))
 
 
 def bf16_decode_linear_supported() -> bool:
@@ -168,8 +172,8 @@ def bf16_decode_linear_supported() -> bool:
 
 def bf16_kernel_max_rows() -> Optional[int]:
     """The rows from which oneDNN's packed weight serves a bf16 batch instead of the kernel; None:
-    the kernel serves every batch (no AMX)."""
-    return AMX_KERNEL_MAX_ROWS if torch.cpu._is_amx_tile_supported() else None
+    the kernel serves every batch (no AMX this process can use)."""
+    return AMX_KERNEL_MAX_ROWS if amx_unavailable_reason() is None else None
 
 
 def bf16_decode_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -189,11 +193,7 @@ def load_bf16_decode_linear() -> Optional[DecodeLinear]:
     or cannot be built."""
     if not bf16_decode_linear_supported():
         return None
-    try:
-        return DecodeLinear(build(source=BF16_DECODE_LINEAR_SOURCE), torch.bfloat16)
-    except (KernelBuildError, OSError) as exc:
-        log.warning("bf16 decode linear kernel unavailable, oneDNN serves decode batches: %s", exc)
-        return None
+    return kernels.select("linear_bf16", lambda library, _: DecodeLinear(library, torch.bfloat16))
 
 
 class PackedLinear(nn.Module):
@@ -202,18 +202,23 @@ class PackedLinear(nn.Module):
         weight: torch.Tensor,
         bias: Optional[torch.Tensor],
         kernel: Optional[DecodeLinear] = None,
+        every_batch: bool = False,
     ):
         """`kernel`: the bf16 kernel, on panels made here (where the weight fits them), for the
-        batches `bf16_kernel_max_rows` gives it; oneDNN's packed weight, made only where some
-        batches need it, for the rest."""
+        batches `bf16_kernel_max_rows` gives it (`every_batch`: all of them, batch-invariant:
+        engine/deterministic.py); oneDNN's packed weight, made only where some batches need it,
+        for the rest."""
         super().__init__()
         self.out_features = weight.shape[0]
         fits = weight.shape[0] % _TILE_OUTPUTS == 0 and weight.shape[1] % 2 == 0
         self.kernel = kernel if fits else None
+        if every_batch and self.kernel is None:
+            raise ValueError(f"a weight of {tuple(weight.shape)} does not fit the bf16 kernel")
+        self.every_batch = every_batch
         panels = bf16_decode_panels(weight.detach()) if self.kernel is not None else None
         self.register_buffer("weight_panels", panels, persistent=False)
         # batches of fewer rows take the kernel (none without one), the rest oneDNN's packed weight
-        max_rows = bf16_kernel_max_rows() if self.kernel is not None else 0
+        max_rows = 0 if self.kernel is None else None if every_batch else bf16_kernel_max_rows()
         self.kernel_max_rows = math.inf if max_rows is None else max_rows
         # The batch-size hint 1 favours decode; larger batches run as fast as with F.linear.
         packed = (
@@ -226,8 +231,21 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < self.kernel_max_rows:
-            return self.kernel(x, self.weight_panels, self.bias)
+            try:
+                return self.kernel(x, self.weight_panels, self.bias)
+            except KernelFailed:  # it returned an error: torch from now on (engine/kernels.py)
+                if self.every_batch:
+                    raise  # --deterministic: oneDNN is not batch-invariant
+                self._drop_kernel()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def _drop_kernel(self) -> None:
+        """oneDNN serves every batch: its packed weight made from the kernel's panels."""
+        tiles, pairs, width, _ = self.weight_panels.shape
+        weight = self.weight_panels.transpose(1, 2).reshape(tiles * width, pairs * 2)
+        if self.packed_weight is None:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.kernel, self.kernel_max_rows, self.weight_panels = None, 0, None
 
 
 class TransposedLinear(nn.Module):
@@ -236,13 +254,15 @@ class TransposedLinear(nn.Module):
         weight: torch.Tensor,
         bias: Optional[torch.Tensor],
         decode: Optional[DecodeLinear] = None,
+        every_batch: bool = False,
     ):
         """`decode`: decode batches through the kernel, on panels made here (where the weight fits
-        them)."""
+        them); `every_batch`: every batch, prefill chunks too (batch-invariant:
+        engine/deterministic.py)."""
         super().__init__()
         weight_t = weight.detach().t().contiguous()
         panels = decode_panels(weight_t) if decode is not None and panels_fit(weight_t) else None
-        self._hold(weight_t, bias, panels, decode)
+        self._hold(weight_t, bias, panels, decode, every_batch)
 
     @classmethod
     def over(
@@ -251,13 +271,14 @@ class TransposedLinear(nn.Module):
         bias: Optional[torch.Tensor],
         panels: Optional[torch.Tensor] = None,
         decode: Optional[DecodeLinear] = None,
+        every_batch: bool = False,
     ) -> "TransposedLinear":
         """The layer over a weight already transposed (and its panels), used in place: e.g.
         memory-mapped from the disk cache, so that the workers of a node read one copy from the
         page cache instead of each making its own."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._hold(weight_t, bias, panels, decode)
+        layer._hold(weight_t, bias, panels, decode, every_batch)
         return layer
 
     def _hold(
@@ -266,17 +287,28 @@ class TransposedLinear(nn.Module):
         bias: Optional[torch.Tensor],
         panels: Optional[torch.Tensor],
         decode: Optional[DecodeLinear],
+        every_batch: bool = False,
     ) -> None:
+        if every_batch and (decode is None or panels is None):
+            raise ValueError(
+                f"a weight of {tuple(weight_t.shape)} (transposed) does not fit the fp32 kernel"
+            )
         self.out_features = weight_t.shape[1]
         self.register_buffer("weight_t", weight_t)  # in state_dict(), as `weight` was
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         # serving tensors (engine/weights.py caches them), not the model's state
         self.register_buffer("weight_panels", panels, persistent=False)
         self.decode = decode if panels is not None else None
+        self.decode_max_rows = math.inf if every_batch else DECODE_KERNEL_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode is not None and x.shape[0] < DECODE_KERNEL_MAX_ROWS:
-            return self.decode(x, self.weight_panels, self.bias)
+        if self.decode is not None and x.shape[0] < self.decode_max_rows:
+            try:
+                return self.decode(x, self.weight_panels, self.bias)
+            except KernelFailed:  # it returned an error: MKL from now on (engine/kernels.py)
+                if self.decode_max_rows == math.inf:
+                    raise  # --deterministic: MKL is not batch-invariant
+                self.decode = None
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from engine.paged_attention import DISABLE_ENV, DTYPE_SUFFIXES, KernelBuildError, build
+from engine import kernels
+from engine.kernels import open_library
+from engine.paged_attention import DTYPE_SUFFIXES
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +48,29 @@ def _ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
 
 
 class FusedOps:
+    op = "fused_ops"  # engine/kernels.py's name
+
     def __init__(self, library_path: Path):
-        lib = ctypes.CDLL(str(library_path))
+        lib = open_library(library_path)
         self._kernels = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in DTYPE_SUFFIXES.items():
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 self._kernels[name, dtype] = fn
+
+    def _run(self, name: str, dtype: torch.dtype, *args) -> bool:
+        """Calls kernel `name` for `dtype`: True where it ran. A nonzero code (the C side's -1: a
+        shape it does not take, nothing written) turns the fused ops off in this process: False,
+        and the caller computes the op with torch (as from then on every call does)."""
+        if kernels.is_disabled(self.op):
+            return False
+        code = self._kernels[name, dtype](*args)
+        if code:
+            kernel = f"{name}_{DTYPE_SUFFIXES[dtype]}"
+            kernels.disable(self.op, f"fused {kernel} kernel failed (code {code})")
+            return False
+        return True
 
     def rms_norm(
         self,
@@ -64,7 +81,9 @@ class FusedOps:
     ) -> torch.Tensor:
         """RMSNorm of x's rows times `weight`; with `residual`, x += residual first, in place."""
         out = torch.empty_like(x)
-        self._kernels["add_rms_norm", x.dtype](
+        ran = self._run(
+            "add_rms_norm",
+            x.dtype,
             _ptr(x),
             _ptr(residual),
             _ptr(weight),
@@ -74,19 +93,26 @@ class FusedOps:
             eps,
             torch.get_num_threads(),
         )
-        return out
+        if ran:
+            return out
+        if residual is not None:
+            x.add_(residual)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self._kernels["add", x.dtype](_ptr(x), _ptr(y), x.numel(), torch.get_num_threads())
+        if not self._run("add", x.dtype, _ptr(x), _ptr(y), x.numel(), torch.get_num_threads()):
+            x.add_(y)
         return x
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU of the first half of each row times its second half."""
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, inter, dtype=gate_up.dtype)
-        kernel = self._kernels["silu_mul", gate_up.dtype]
-        kernel(_ptr(gate_up), _ptr(out), rows, inter, torch.get_num_threads())
-        return out
+        args = (_ptr(gate_up), _ptr(out), rows, inter, torch.get_num_threads())
+        if self._run("silu_mul", gate_up.dtype, *args):
+            return out
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
 
     def rope(
         self,
@@ -103,7 +129,9 @@ class FusedOps:
         out = torch.empty(tokens, heads, head_dim, dtype=rows.dtype)
         # held here: a copy made inside the call's arguments would be freed before the kernel runs
         cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
-        self._kernels["rope", rows.dtype](
+        ran = self._run(
+            "rope",
+            rows.dtype,
             _ptr(rows),
             rows.stride(0),
             _ptr(cos),
@@ -114,22 +142,21 @@ class FusedOps:
             head_dim,
             torch.get_num_threads(),
         )
-        return out
+        if ran:
+            return out
+        x = rows[:, : heads * head_dim].view(tokens, heads, head_dim)
+        half = head_dim // 2
+        return x * cos + torch.cat([x[..., half:], x[..., :half]], -1) * signed_sin
 
 
 def fused_ops_for(x: torch.Tensor) -> Optional[FusedOps]:
     """The fused kernels for a contiguous bf16 or fp32 CPU activation, else None (torch's ops)."""
-    if x.dtype not in DTYPE_SUFFIXES or x.device.type != "cpu":
+    if x.dtype not in DTYPE_SUFFIXES or x.device.type != "cpu" or kernels.is_disabled("fused_ops"):
         return None
     return load_fused_ops()
 
 
 @lru_cache(maxsize=1)
 def load_fused_ops() -> Optional[FusedOps]:
-    if os.environ.get(DISABLE_ENV) == "1":
-        return None
-    try:
-        return FusedOps(build(source=SOURCE, extra_flags=EXTRA_FLAGS))
-    except (KernelBuildError, OSError, AttributeError) as exc:
-        log.warning("fused elementwise kernels unavailable, using torch's ops: %s", exc)
-        return None
+    """The kernels for this process (engine/kernels.py), or None (torch's ops)."""
+    return kernels.select("fused_ops", lambda library, _: FusedOps(library))

@@ -20,6 +20,7 @@ from typing import Callable, ContextManager, Iterator, Optional, Sequence as Seq
 
 import torch
 
+from engine import kernels
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
 from engine.cuda_graphs import decode_graphs_for
@@ -28,6 +29,7 @@ from engine.dtypes import resolve_device
 from engine.guided import BatchMasks, GrammarCompiler, GrammarError, consume
 from engine.kv_cache import KVLayout, PagedKVCache, auto_kv_cache_bytes
 from engine.model_runner import ModelRunner
+from engine.penalties import apply_penalties
 from engine.sampling import SamplingParams, TokenLogprobs, logprobs_of, mask_rows, sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -71,7 +73,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         device = resolve_device(config.device)
-        self.loaded = loaded or load_model(config.model, config.torch_dtype, device)
+        self.loaded = loaded or load_model(
+            config.model, config.torch_dtype, device, deterministic=config.deterministic
+        )
+        if config.deterministic and not self.loaded.model.batch_invariant:
+            raise ValueError("a deterministic engine needs a model loaded with deterministic=True")
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.layout = KVLayout.for_model(
@@ -131,6 +137,7 @@ class LLMEngine:
         waiting prompts (`Scheduler.prefill_order`); None: first come, first served."""
         if request_id in self._seqs or request_id in self._held:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        kernels.refresh()  # no request reaches a kernel that killed a worker of this node
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer; send prompt token ids")
@@ -138,6 +145,7 @@ class LLMEngine:
         else:
             prompt_ids = list(prompt)
         self.validate_prompt(prompt_ids)
+        self.validate_params(params)
         seq = Sequence(
             request_id,
             prompt_ids,
@@ -188,6 +196,14 @@ class LLMEngine:
                 f"cache's {self.allocator.num_blocks * self.config.block_size_tokens}): prompt "
                 "plus at least one output token"
             )
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """The token ids its params name (the penalties' masks index the vocabulary by them)."""
+        vocab = self.model_config.vocab_size
+        ids = [*params.stop_token_ids, *(token_id for token_id, _ in params.logit_bias)]
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} in the sampling params is outside [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         """Stops a request wherever it is (queued, running or held for handoff) and frees its
@@ -243,10 +259,12 @@ class LLMEngine:
         step."""
         if request_id in self._seqs:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        kernels.refresh()
         if len(block_ids) < self.allocator.blocks_needed(len(prompt_ids)):
             raise RequestError(
                 f"{len(block_ids)} KV blocks cannot hold a prompt of {len(prompt_ids)} tokens"
             )
+        self.validate_params(params)
         seq = Sequence(
             request_id,
             list(prompt_ids),
@@ -310,6 +328,8 @@ class LLMEngine:
             if guided:
                 matchers = [sampled_seqs[row].matcher for row in guided]
                 logits = mask_rows(logits, guided, self._masks.compute(matchers))
+            if any(seq.params.processes_logits for seq in sampled_seqs):
+                logits = apply_penalties(logits, sampled_seqs, self.eos_token_ids)
             tokens = sample(
                 logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs]
             )

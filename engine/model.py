@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.fused_ops import fused_ops_for
+from engine.kernels import KernelFailed, is_disabled
 from engine.prefill_attention import load_prefill_kernel
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         # set by LlamaModel.use_decode_kernel
         self.decode_kernel: Optional["PagedDecodeAttention"] = None
+        self.prefill_by_decode_kernel = False
 
     def forward(
         self,
@@ -174,10 +176,15 @@ class Attention(nn.Module):
         batch_size = q.shape[0]
         block_tables = batch.decode_block_tables
         if self.decode_kernel is not None and self.decode_kernel.supports(k_cache):
-            out = self.decode_kernel(
-                q, k_cache, v_cache, block_tables, batch.decode_context_lens, self.scale
-            )
-            return out.reshape(batch_size, c.q_size)
+            try:
+                out = self.decode_kernel(
+                    q, k_cache, v_cache, block_tables, batch.decode_context_lens, self.scale
+                )
+                return out.reshape(batch_size, c.q_size)
+            except KernelFailed:  # it returned an error: torch from now on (engine/kernels.py)
+                if self.prefill_by_decode_kernel:
+                    raise  # --deterministic: torch's path is not batch-invariant
+                self.decode_kernel = None
         # index_select, not k_cache[block_tables]: the same copy, several times faster on CPU
         # [B, kv_heads, T, head_dim]
         keys = _gather_blocks(k_cache, block_tables).flatten(1, 2).transpose(1, 2)
@@ -193,6 +200,8 @@ class Attention(nn.Module):
         return out.reshape(batch_size, c.q_size)
 
     def _prefill_attention(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        if self.prefill_by_decode_kernel:
+            return self._prefill_by_decode_kernel(q, k_cache, v_cache, batch)
         c = self.config
         outputs = []
         for part in batch.prefill_slices:
@@ -209,8 +218,11 @@ class Attention(nn.Module):
                 ]
             kernel = _prefill_kernel(q, num_cached)
             if kernel is not None:
-                outputs.append(kernel(self, q[rows], keys, values))
-                continue
+                try:
+                    outputs.append(kernel(self, q[rows], keys, values))
+                    continue
+                except KernelFailed:  # it returned an error: torch from now on
+                    pass
             # SDPA takes its fused CPU (flash) kernel only for 4-D inputs: [1, heads, n, head_dim].
             q_part = q[rows].transpose(0, 1).unsqueeze(0)
             mask = None
@@ -229,6 +241,24 @@ class Attention(nn.Module):
             )
             outputs.append(out[0].transpose(0, 1).reshape(part.num_query_tokens, c.q_size))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _prefill_by_decode_kernel(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        """Prefill attention that gives each row exactly what a decode step would (--deterministic,
+        engine/deterministic.py): the chunk's K/V are already in the cache, so prompt row i is one
+        sequence of the paged decode kernel over its prompt's blocks up to itself (context
+        `num_cached + i + 1`)."""
+        tables, context_lens = [], []
+        for part in batch.prefill_slices:
+            num_cached = part.num_context_tokens - part.num_query_tokens
+            tables.append(part.block_table.expand(part.num_query_tokens, -1))
+            context_lens.append(torch.arange(num_cached + 1, part.num_context_tokens + 1))
+        width = max(table.shape[1] for table in tables)
+        # padding entries point at block 0, as a decode batch's do; the context lengths hide them
+        block_tables = torch.cat([F.pad(table, (0, width - table.shape[1])) for table in tables])
+        out = self.decode_kernel(
+            q, k_cache, v_cache, block_tables, torch.cat(context_lens), self.scale
+        )
+        return out.reshape(q.shape[0], self.config.q_size)
 
     def _blocked_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a prompt's `n` new tokens `q` over `k`/`v`: the context before them
@@ -351,7 +381,7 @@ def _prefill_kernel(q: torch.Tensor, num_cached_tokens: int) -> Optional[Callabl
     if q.dtype != torch.bfloat16 or q.device.type != "cpu":
         return None
     kernel = load_prefill_kernel()
-    if kernel is not None and kernel.supports(q):
+    if kernel is not None and kernel.supports(q) and not is_disabled("prefill_attention"):
         return Attention._kernel_flash_attention
     if not _AMX:
         return Attention._blocked_attention
@@ -419,11 +449,23 @@ class LlamaModel(nn.Module):
         # runtime/cores.py); torch ops read the thread count afresh each time.
         self.between_layers: Optional[Callable[[], None]] = None
 
-    def use_decode_kernel(self, kernel: Optional["PagedDecodeAttention"]) -> None:
-        """Decode attention reads the paged cache in place through `kernel`
-        (None: gather + SDPA)."""
+    def use_decode_kernel(
+        self, kernel: Optional["PagedDecodeAttention"], for_prefill: bool = False
+    ) -> None:
+        """Decode attention reads the paged cache in place through `kernel` (None: gather + SDPA);
+        `for_prefill`: prefill attention too, each prompt row as a decode step computes it
+        (--deterministic)."""
+        if for_prefill and kernel is None:
+            raise ValueError("prefill attention through the decode kernel needs a kernel")
         for layer in self.layers:
             layer.self_attn.decode_kernel = kernel
+            layer.self_attn.prefill_by_decode_kernel = for_prefill
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's result depends neither on its batch nor on prefill against decode
+        (--deterministic: engine/deterministic.py)."""
+        return all(layer.self_attn.prefill_by_decode_kernel for layer in self.layers)
 
     @torch.inference_mode()
     def forward(

@@ -10,15 +10,15 @@ for head_dim 64, one of two that share their packing, softmax and driver
 
 Built and loaded like the paged decode-attention kernel (engine/paged_attention.py), with its ISA's
 flags for its own translation unit only, and the same switch (`PDSERVE_DISABLE_KERNELS=1`).
-`load_prefill_kernel` answers None, and the model keeps its torch path, where the CPU has neither
-(torch's own checks), the compiler cannot build it, or Linux refuses the process the AMX state.
+The AMX kernel runs only where the OS lets this process use the tiles (`amx_unavailable_reason`:
+the CPU's flag, the OS's tile state, Linux's per-process permission); elsewhere the AVX512-BF16
+kernel does, on any CPU that has it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +26,10 @@ from typing import Optional
 
 import torch
 
-from engine.paged_attention import DISABLE_ENV, KernelBuildError, build
+from engine import kernels
+from engine.cpu_features import amx_unavailable_reason
+from engine.kernels import KernelFailed, open_library
+from engine.paged_attention import DISABLE_ENV, KernelBuildError, build  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,6 @@ class KernelKind:
     source: Path
     extra_flags: tuple[str, ...]
     function: str
-    init: Optional[str] = None  # a function that must return 0 once per process
 
 
 AMX = KernelKind(
@@ -49,7 +51,6 @@ AMX = KernelKind(
     Path(__file__).parent / "csrc" / "prefill_attention_amx.c",
     ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16"),
     "amx_prefill_attention_bf16",
-    init="amx_prefill_init",
 )
 AVX512_BF16 = KernelKind(
     "avx512-bf16",
@@ -60,8 +61,9 @@ AVX512_BF16 = KernelKind(
 
 
 def kernel_kind() -> Optional[KernelKind]:
-    """The kernel this CPU can run, by torch's own checks (None: neither)."""
-    if torch.cpu._is_amx_tile_supported():
+    """The kernel this process can run (None: neither): AMX where `amx_unavailable_reason` allows,
+    else AVX512-BF16 where the CPU has it (torch's check)."""
+    if amx_unavailable_reason() is None:
         return AMX
     if torch.cpu._is_avx512_bf16_supported():
         return AVX512_BF16
@@ -71,12 +73,11 @@ def kernel_kind() -> Optional[KernelKind]:
 class PrefillAttention:
     def __init__(self, kind: KernelKind, library_path: Path):
         self.kind = kind
-        lib = ctypes.CDLL(str(library_path))
-        if kind.init is not None:
-            init = getattr(lib, kind.init)
-            init.argtypes, init.restype = [], ctypes.c_int
-            if init() != 0:
-                raise OSError("Linux refused this process the AMX tile state (arch_prctl)")
+        # the tiles fault without the process's tile state: asked for here, in whatever process
+        # loads the kernel
+        if kind.source == AMX.source and (reason := amx_unavailable_reason()) is not None:
+            raise OSError(f"the AMX kernel cannot run in this process: {reason}")
+        lib = open_library(library_path)
         self._fn = getattr(lib, kind.function)
         self._fn.argtypes, self._fn.restype = _ARGTYPES, ctypes.c_int
 
@@ -97,6 +98,8 @@ class PrefillAttention:
             t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (q, k, v)
         )
         out = torch.empty(n, num_heads * head_dim, dtype=q.dtype)
+        if kernels.is_disabled("prefill_attention"):
+            raise KernelFailed("prefill_attention")
         code = self._fn(
             *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, out)),
             q.stride(0),
@@ -111,20 +114,17 @@ class PrefillAttention:
             torch.get_num_threads(),
         )
         if code:
-            raise RuntimeError(f"{self.kind.name} prefill attention kernel failed (code {code})")
+            kernels.disable("prefill_attention", f"code {code}")
+            raise KernelFailed(f"{self.kind.name} prefill attention kernel failed (code {code})")
         return out
 
 
 @lru_cache(maxsize=1)
 def load_prefill_kernel() -> Optional[PrefillAttention]:
-    """The kernel for this process, or None (torch path)."""
-    kind = kernel_kind()
-    if os.environ.get(DISABLE_ENV) == "1" or kind is None:
-        return None
-    try:
-        return PrefillAttention(kind, build(source=kind.source, extra_flags=kind.extra_flags))
-    except (KernelBuildError, OSError, AttributeError) as exc:
-        log.warning(
-            "%s prefill attention kernel unavailable, using the torch path: %s", kind.name, exc
-        )
-        return None
+    """The kernel for this process (engine/kernels.py's chain: AMX, then AVX512-BF16), or None
+    (the torch path)."""
+    kinds = {kind.name: kind for kind in (AMX, AVX512_BF16)}
+    return kernels.select(
+        "prefill_attention",
+        lambda library, variant: PrefillAttention(kinds[variant], library),
+    )

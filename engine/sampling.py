@@ -9,6 +9,7 @@ died (re-prefilled as prompt + tokens so far) continues with the same draws.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Sequence
 
@@ -65,6 +66,10 @@ def logprobs_of(
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     scaled = logits / params.temperature
+    if params.min_p > 0.0:  # vLLM's: after temperature, before top-k and top-p
+        # p < min_p x p_max, in logits: no softmax needed
+        floor = scaled.max() + math.log(params.min_p)
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if params.top_k is not None and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

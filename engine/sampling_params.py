@@ -13,6 +13,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's and OpenAI's limit)
 MAX_GUIDED_SPEC_CHARS = 64 << 10  # a schema, regex or the choices together
 MAX_GUIDED_CHOICES = 256
+MAX_PENALTY = 2.0  # presence and frequency penalties: in [-2, 2], OpenAI's range
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value: in [-100, 100], OpenAI's clamp
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries in one logit_bias (OpenAI's limit is smaller, 300)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,21 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     # Structured output: the grammar every output token keeps to (None: free text).
     guided: Optional[GuidedDecoding] = None
+    # Penalties and biases (engine/penalties.py), applied to the logits before temperature, so the
+    # logprobs see them: OpenAI's presence and frequency penalties over the output tokens, vLLM's
+    # repetition penalty over prompt and output, a bias per token id, EOS and stop ids refused
+    # until `min_tokens` tokens are out, and vLLM's min_p (tokens below min_p x the top token's
+    # probability dropped, after temperature).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
+    min_p: float = 0.0
+    # The request's own prompt length, set by the router where the output's counts matter: a
+    # migrated request is re-prefilled as its prompt plus the tokens already sent, and the tokens
+    # past `prompt_tokens` count as output (None: the engine's prompt is all prompt).
+    prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if (
@@ -127,6 +145,60 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {value!r}"
                 )
+
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                    f"got {getattr(self, name)!r}"
+                )
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if (
+            not isinstance(self.min_tokens, int)
+            or isinstance(self.min_tokens, bool)
+            or not 0 <= self.min_tokens <= self.max_tokens
+        ):
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], "
+                f"got {self.min_tokens!r}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(
+                f"logit_bias must hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                f"got {len(self.logit_bias)}"
+            )
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias must map token ids >= 0 to biases in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {token_id}: {bias!r}"
+                )
+        if self.prompt_tokens is not None and self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its logits are changed before sampling (penalties, biases, min_tokens): a batch
+        where no request does skips that work entirely."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
+
+    def output_so_far(self, prompt_ids: list[int]) -> list[int]:
+        """The tokens of an engine's prompt that were output before (a migrated request's)."""
+        return [] if self.prompt_tokens is None else list(prompt_ids[self.prompt_tokens :])
 
     @property
     def greedy(self) -> bool:

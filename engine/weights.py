@@ -28,6 +28,7 @@ from engine.cpu_packing import (
     transposing_supported,
 )
 from engine.default_model import DEFAULT_MODEL_NAME, ModelNotFoundError, resolve_model_path
+from engine.deterministic import require as deterministic_linear
 from engine.dtypes import resolve_device
 from engine.model import LlamaModel, rope_inv_freq
 from engine.paged_attention import decode_kernel_for
@@ -50,17 +51,22 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    deterministic: bool = False,
 ) -> LoadedModel:
+    """`deterministic`: batch-invariant kernels only (engine/deterministic.py; raises
+    `DeterminismUnavailable` where this machine has none)."""
     device = resolve_device(device)
+    if deterministic:
+        deterministic_linear(dtype, device)  # fails before any weight is read
     if spec.startswith(DUMMY_PREFIX):
-        return load_dummy(spec[len(DUMMY_PREFIX) :], dtype, device, seed)
+        return load_dummy(spec[len(DUMMY_PREFIX) :], dtype, device, seed, deterministic)
     path = resolve_model_path(spec)
     if path.is_dir():
         from engine import hf_loader
 
         config, generation_eos = hf_loader.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path, generation_eos)
-        model = build_model(config, hf_loader.iter_hf_tensors(path), dtype, device)
+        model = build_model(config, hf_loader.iter_hf_tensors(path), dtype, device, deterministic)
         return LoadedModel(config, model, tokenizer, str(path))
     from engine import gguf_loader
 
@@ -78,29 +84,43 @@ def load_model(
     # the layout it serves in is plain tensors: cache those
     if transposing_supported(dtype, device):
         model = _served_from_cache(
-            path, config, dtype, device, lambda: build_model(config, dequantized(), dtype, device)
+            path,
+            config,
+            dtype,
+            device,
+            lambda: build_model(config, dequantized(), dtype, device, deterministic),
+            deterministic,
         )
     else:
         model = build_model(
-            config, disk_cache.gguf_weights(path, dtype, dequantized), dtype, device
+            config,
+            disk_cache.gguf_weights(path, dtype, dequantized),
+            dtype,
+            device,
+            deterministic,
         )
     return LoadedModel(config, model, tokenizer, str(path))
 
 
 def _served_from_cache(
-    source, config: ModelConfig, dtype: torch.dtype, device: str, build: Callable[[], LlamaModel]
+    source,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    build: Callable[[], LlamaModel],
+    deterministic: bool = False,
 ) -> LlamaModel:
     """The model over its serving tensors (fused, transposed, and the decode kernel's panels where
     it serves) memory-mapped from the disk cache, else built and cached. A worker then makes no copy
     of the weights: building the layout afresh wrote 1.4 GB of new memory, 5-15 s of page faults per
     worker on this VM when two start at once."""
     # an entry of either kind holds all a worker maps
-    panels = "-panels" if load_decode_linear() is not None else ""
+    panels = "-panels" if deterministic or load_decode_linear() is not None else ""
     kind = f"serving-{str(dtype).removeprefix('torch.')}-transposed{panels}"
     cached = disk_cache.tensors(source, kind)
     if cached is not None:
         try:
-            return model_over(config, cached, device)
+            return model_over(config, cached, device, deterministic)
         except ValueError as error:
             log.warning(
                 "the cached serving weights of %s do not fit the model (%s); reading the model "
@@ -123,10 +143,16 @@ def serving_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
     }
 
 
-def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: str) -> LlamaModel:
+def model_over(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    device: str,
+    deterministic: bool = False,
+) -> LlamaModel:
     """The model whose linears are `TransposedLinear`s over `tensors` (as `serving_tensors` names
     them), used in place; ValueError when they do not fit `config`."""
     state = dict(tensors)
+    invariant = deterministic_linear(torch.float32, device) if deterministic else None
     with torch.device("meta"):
         model = LlamaModel(config)
     try:
@@ -150,16 +176,19 @@ def model_over(config: ModelConfig, tensors: dict[str, torch.Tensor], device: st
                     f"{qualified}.weight_panels is {tuple(panels.shape)}, the model needs "
                     f"{decode_panels_shape(weight_t)}"
                 )
-            decode = load_decode_linear() if panels is not None else None
-            setattr(parent, name, TransposedLinear.over(weight_t, bias, panels, decode))
+            decode = (invariant or load_decode_linear()) if panels is not None else None
+            layer = TransposedLinear.over(weight_t, bias, panels, decode, deterministic)
+            setattr(parent, name, layer)
         model.load_state_dict(state, strict=True, assign=True)
     except (KeyError, RuntimeError) as error:
         raise ValueError(f"{type(error).__name__}: {error}") from None
-    model.use_decode_kernel(decode_kernel_for(device))
+    model.use_decode_kernel(decode_kernel_for(device), for_prefill=deterministic)
     return model.eval()
 
 
-def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
+def load_dummy(
+    shape: str, dtype: torch.dtype, device: str, seed: int, deterministic: bool = False
+) -> LoadedModel:
     if shape not in NAMED_SHAPES:
         raise ModelNotFoundError(f"unknown dummy shape {shape!r}; known: {', '.join(NAMED_SHAPES)}")
     config = NAMED_SHAPES[shape]
@@ -176,7 +205,7 @@ def load_dummy(shape: str, dtype: torch.dtype, device: str, seed: int) -> Loaded
                 param.copy_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
     return LoadedModel(
         config,
-        prepare_for_inference(model.to(dtype).eval(), dtype, device),
+        prepare_for_inference(model.to(dtype).eval(), dtype, device, deterministic),
         None,
         DUMMY_PREFIX + shape,
     )
@@ -187,6 +216,7 @@ def build_model(
     hf_tensors: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     device: str,
+    deterministic: bool = False,
 ) -> LlamaModel:
     loaded: dict[str, torch.Tensor] = {}
     rope_freqs = None
@@ -223,15 +253,23 @@ def build_model(
         )
     # buffers were left on meta
     model.rotary.inv_freq = rope_inv_freq(config, rope_freqs).to(device)
-    return prepare_for_inference(model.eval(), dtype, device)
+    return prepare_for_inference(model.eval(), dtype, device, deterministic)
 
 
-def prepare_for_inference(model: LlamaModel, dtype: torch.dtype, device: str) -> LlamaModel:
-    if packing_supported(dtype, device):
+def prepare_for_inference(
+    model: LlamaModel, dtype: torch.dtype, device: str, deterministic: bool = False
+) -> LlamaModel:
+    """`deterministic`: every linear, and prefill attention, through batch-invariant kernels
+    (engine/deterministic.py)."""
+    if deterministic:
+        kernel = deterministic_linear(dtype, device)
+        layer = PackedLinear if dtype == torch.bfloat16 else TransposedLinear
+        pack_linears(model, lambda weight, bias: layer(weight, bias, kernel, every_batch=True))
+    elif packing_supported(dtype, device):
         kernel = load_bf16_decode_linear()  # asked once for every layer
         pack_linears(model, lambda weight, bias: PackedLinear(weight, bias, kernel))
     elif transposing_supported(dtype, device):
         decode = load_decode_linear()  # asked once for every layer
         pack_linears(model, lambda weight, bias: TransposedLinear(weight, bias, decode))
-    model.use_decode_kernel(decode_kernel_for(device))
+    model.use_decode_kernel(decode_kernel_for(device), for_prefill=deterministic)
     return model

@@ -132,6 +132,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="on CUDA, run decode steps eagerly (no CUDA graphs)",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant kernels (CPU, bf16 with AVX512_BF16 or fp32 with AVX2): greedy "
+        "output identical whatever the batch, a migration or where a prompt prefills; slower",
+    )
+    p.add_argument(
         "--address",
         default="local",
         help="'local' starts Ray here; 'auto' or host:port joins a cluster",
@@ -342,6 +348,7 @@ def _serve_config(args: argparse.Namespace, **overrides):
         dtype=args.dtype,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        deterministic=args.deterministic,
         mode=args.mode,
         transport=args.transport,
         num_prefill=args.prefill,
@@ -542,6 +549,8 @@ def _status(args: argparse.Namespace) -> int:
             f"KV free {w.kv_blocks_free}/{w.kv_blocks_total} ({w.kv_capacity_tokens} tokens)  "
             f"served {w.requests_served}"
         )
+        if w.kernels:
+            print(f"  {'':<14} kernels: {w.kernels}")
     for line in stats.autoscaler_decisions:
         print(f"  autoscaler: {line}")
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from engine.dtypes import DEVICES  # torch-free
+from protocol.messages import kernels_line  # torch-free
 from router.slo import DEFAULT_SLO, SLO  # torch-free
 from runtime.cpus import usable_cpus  # torch-free
 
@@ -39,6 +40,9 @@ class ServeConfig:
     device: str = "auto"
     # no CUDA graphs for decode steps on GPUs (vLLM's flag of that name)
     enforce_eager: bool = False
+    # batch-invariant kernels on every worker (engine/deterministic.py): greedy output identical
+    # whatever the batching, migration or where a prompt prefills; CPU only, slower
+    deterministic: bool = False
     mode: str = "disaggregated"
     transport: str = "ray"
     num_prefill: int = 1
@@ -258,6 +262,7 @@ class ServeConfig:
             decode_interleave_tokens=self.decode_interleave_tokens,
             cpu_prefill_batch_tokens=self.cpu_prefill_batch_tokens,
             cuda_graphs=not self.enforce_eager,
+            deterministic=self.deterministic,
         )
 
 
@@ -359,9 +364,10 @@ class System:
                 infos = [w.info for w in pool.workers]
                 threads = sorted({i.num_threads for i in infos})
                 kv_tokens = min(i.kv_blocks_total * i.block_size_tokens for i in infos)
+                kernels = sorted({kernels_line(i.kernels) for i in infos})
                 pools.append(
                     f"{len(infos)} {pool.role} x {'/'.join(map(str, threads))} thread(s), "
-                    f"{kv_tokens} KV tokens each"
+                    f"{kv_tokens} KV tokens each, kernels: {' | '.join(kernels)}"
                 )
         info = (router.decode_pool.workers or router.prefill_pool.workers)[0].info
         return (
@@ -437,6 +443,7 @@ class System:
                 stats.kv_blocks_free = load.kv_blocks_free
                 stats.requests_served = load.requests_served
                 stats.max_batch_size_seen = load.max_batch_size_seen
+                stats.kernels = kernels_line(load.kernels)
         return response
 
     async def stop(self) -> None:

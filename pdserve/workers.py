@@ -14,9 +14,13 @@ import logging
 import os
 
 from engine.dtypes import AUTO_DTYPE_ENV
+from engine.kernel_env import KERNEL_ENV
 from router.pools import WorkerStartError
 
 log = logging.getLogger(__name__)
+
+# set where `serve` runs, passed on to every worker (torch-free names)
+WORKER_ENV = (AUTO_DTYPE_ENV, *KERNEL_ENV)
 
 NODE_RESOURCE = {
     "prefill": "pdserve_prefill",
@@ -44,9 +48,11 @@ class RayWorkerFactory:
         import ray
 
         options = {"num_cpus": self.config.worker_cpus}
-        forced_dtype = os.environ.get(AUTO_DTYPE_ENV)
-        if forced_dtype:  # what "auto" resolves to, on every node the workers land on
-            options["runtime_env"] = {"env_vars": {AUTO_DTYPE_ENV: forced_dtype}}
+        # what "auto" resolves to, and the kernels' knobs (engine/kernels.py), on every node the
+        # workers land on
+        env = {name: os.environ[name] for name in WORKER_ENV if os.environ.get(name)}
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         # One engine per GPU; Ray sets the actor's CUDA_VISIBLE_DEVICES. Under "auto" a worker
         # without a GPU of its own sees none (Ray hides them) and resolves to cpu.
         if self.config.device == "cuda" or (

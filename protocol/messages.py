@@ -52,6 +52,11 @@ class PrefillResult:
     costs: WorkerCosts = WorkerCosts()  # the prefill worker's, at this result
 
 
+def kernels_line(kernels: tuple[tuple[str, str], ...]) -> str:
+    """A worker's `kernels`, as logs and `pdserve status` print them."""
+    return ", ".join(f"{op} {kernel}" for op, kernel in kernels) or "none (not a CPU)"
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str
@@ -72,6 +77,8 @@ class WorkerInfo:
     kv_block_bytes: int = 0  # one block's KV, all layers
     # why `dtype`: "asked" or what "auto" saw (engine.weights.dtype_reason), and the CPU's ISA
     dtype_reason: str = ""
+    # (op, kernel) for each native op it runs (engine/kernels.py), the fallback's name where none
+    kernels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,3 +110,6 @@ class WorkerLoad:
     rss_bytes: int = 0  # the worker process's resident memory
     gpus: tuple[GpuStats, ...] = ()
     gpu_note: str = ""  # why `gpus` is empty ("no GPU (...)")
+    # (op, kernel) for each native op (engine/kernels.py): a kernel disabled at run time shows its
+    # fallback
+    kernels: tuple[tuple[str, str], ...] = ()

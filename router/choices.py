@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from typing import AsyncIterator, NamedTuple, Optional, Sequence
 
 from router.output import StreamItem
@@ -39,34 +40,42 @@ class Choices(NamedTuple):
 
 
 def choice_request(
-    request: ValidatedRequest, index: int, sample_logprobs: bool
+    request: ValidatedRequest, index: int, sample_logprobs: bool, position: Optional[int] = None
 ) -> ValidatedRequest:
-    """Choice `index` of `request`: its own id and derived seed; its tokens' logprobs if
-    `sample_logprobs`."""
+    """Choice `index` of `request`: its derived seed and its tokens' logprobs if `sample_logprobs`;
+    it runs as the request's choice `position` (default `index`: a batch of prompts numbers its
+    choices across prompts, prompt i's choice j at i x best_of + j)."""
     params = request.params
     changes: dict = {}
     if index and params.seed is not None:
         changes["seed"] = (params.seed + index) % _SEED_MODULUS
     if sample_logprobs and params.logprobs is None:
         changes["logprobs"] = 0
-    request_id = choice_request_id(request.request_id, index)
-    if not changes and not index:
+    position = index if position is None else position
+    request_id = choice_request_id(request.request_id, position)
+    if not changes and not position:
         return request
     return ValidatedRequest(request_id, request.prompt_ids, dataclasses.replace(params, **changes))
 
 
 async def generate_choices(
-    router: Router, request: ValidatedRequest, choices: Choices
+    router: Router, prompts: Sequence[ValidatedRequest], choices: Choices
 ) -> AsyncIterator[tuple[int, StreamItem]]:
-    """Streams `(choice index, item)` of all `choices.best_of` choices, interleaved as they come; it
-    ends after each choice's final item. A choice's failure raises here; closing the iterator (a
-    client that went away) closes every choice's stream, which aborts it on its workers."""
-    requests = [
-        choice_request(request, index, choices.best_of > choices.n)
-        for index in range(choices.best_of)
+    """Streams `(choice index, item)` of all `choices.best_of` choices of each prompt (a batch of
+    prompts: prompt i's choice j has index i x best_of + j; each prompt's choices share their
+    seeds and KV as one prompt's do), interleaved as they come; it ends after each choice's final
+    item. A choice's failure raises here; closing the iterator (a client that went away) closes
+    every choice's stream, which aborts it on its workers."""
+    sample_logprobs = choices.best_of > choices.n
+    groups = [
+        [
+            choice_request(request, index, sample_logprobs, offset * choices.best_of + index)
+            for index in range(choices.best_of)
+        ]
+        for offset, request in enumerate(prompts)
     ]
-    if len(requests) == 1:
-        async with contextlib.aclosing(router.generate(requests[0])) as stream:
+    if len(groups) == 1 and len(groups[0]) == 1:
+        async with contextlib.aclosing(router.generate(groups[0][0])) as stream:
             async for item in stream:
                 yield 0, item
         return
@@ -74,14 +83,19 @@ async def generate_choices(
     queue: asyncio.Queue[tuple[int, StreamItem | BaseException]] = asyncio.Queue()
     tasks: list[asyncio.Task] = []
 
-    def start_others(route: Optional[Route]) -> None:
+    def start_others(first: int, requests: list[ValidatedRequest], route: Optional[Route]) -> None:
         for index in range(1, len(requests)):
-            tasks.append(asyncio.create_task(_run(router, requests[index], index, queue, route)))
+            tasks.append(
+                asyncio.create_task(_run(router, requests[index], first + index, queue, route))
+            )
 
-    tasks.append(asyncio.create_task(_run(router, requests[0], 0, queue, None, start_others)))
+    for offset, requests in enumerate(groups):
+        first = offset * choices.best_of
+        shared = functools.partial(start_others, first, requests)
+        tasks.append(asyncio.create_task(_run(router, requests[0], first, queue, None, shared)))
     try:
-        finished = 0
-        while finished < len(requests):
+        finished, total = 0, sum(len(requests) for requests in groups)
+        while finished < total:
             index, item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
@@ -120,6 +134,11 @@ def cumulative_logprob(items: Sequence[StreamItem]) -> float:
     return sum(entry.logprob for item in items for entry in item.logprobs or ())
 
 
-def best(generated: Sequence[Sequence[StreamItem]], n: int) -> list[Sequence[StreamItem]]:
-    """The `n` choices of the highest cumulative logprob (vLLM's best_of rule), best first."""
-    return sorted(generated, key=cumulative_logprob, reverse=True)[:n]
+def best(generated: Sequence[Sequence[StreamItem]], choices: Choices) -> list[Sequence[StreamItem]]:
+    """Of each prompt's `best_of` choices (in index order), the `n` of the highest cumulative
+    logprob (vLLM's best_of rule), best first."""
+    kept: list[Sequence[StreamItem]] = []
+    for first in range(0, len(generated), choices.best_of):
+        group = generated[first : first + choices.best_of]
+        kept += sorted(group, key=cumulative_logprob, reverse=True)[: choices.n]
+    return kept

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (aiohttp), next to the gRPC server on the router's event loop.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream: true`), `GET
-/v1/models`, `GET /health`, `GET /metrics` (Prometheus text), `POST /admin/scale` (admin token).
+Routes: `POST /v1/completions` (a prompt, or an array of prompts answered as one response),
+`POST /v1/chat/completions` (SSE when `stream: true`), `GET /v1/models`, vLLM's `POST /tokenize`,
+`POST /detokenize` and `GET /version`, `GET /health`, `GET /metrics` (Prometheus text),
+`POST /admin/scale` (admin token).
 Every error is a JSON body in OpenAI's shape with the right status: 400 bad input, 401/403 keys, 404
 unknown model or route, 413 too large, 415 not JSON, 429 overloaded (with Retry-After), 503 no
 worker, 504 deadline. A client that disconnects cancels its handler, which aborts the request on its
@@ -20,6 +22,7 @@ from typing import Awaitable, Callable, Optional
 
 from aiohttp import web
 
+from router import openai_tokens
 from router.auth import AuthError, Credentials
 from router.choices import Choices, best, generate_choices
 from router.failures import describe_failure
@@ -73,6 +76,9 @@ class HttpFrontend:
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
                 web.get("/v1/models", self.models),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
+                web.get("/version", self.version),
                 web.get("/health", self.health),
                 web.get("/metrics", self.prometheus),
                 web.post("/admin/scale", self.admin_scale),
@@ -120,6 +126,33 @@ class HttpFrontend:
             }
         )
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._tokens_body(request)
+        reply = openai_tokens.tokenize(body, self.router.tokenizer, self.limits.max_context_tokens)
+        return web.json_response(reply)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._tokens_body(request)
+        reply = openai_tokens.detokenize(body, self.router.tokenizer, self.limits.vocab_size)
+        return web.json_response(reply)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response(openai_tokens.version())
+
+    async def _tokens_body(self, request: web.Request) -> dict:
+        """/tokenize and /detokenize: a data-plane key, and the served model if one is named."""
+        self._authorize(request, admin=False)
+        body = parse_body(await request.read())
+        model = body.get("model")
+        if model is not None and model != self.served_model:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.served_model}`",
+                "model",
+                "model_not_found",
+            )
+        return body
+
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
@@ -139,36 +172,38 @@ class HttpFrontend:
                 raise
             shape = self._shape(parsed, validated)
             stream = generate_choices(self.router, validated, parsed.choices)
+            request_id = validated[0].request_id
             async with contextlib.aclosing(stream):
                 try:
                     # failures before the first token still get their own status
                     first = await anext(stream)
                 except Exception as error:
-                    raise _api_error(error, validated.request_id) from error
+                    raise _api_error(error, request_id) from error
+                total = len(validated) * parsed.choices.best_of
                 if not parsed.stream:
-                    return await _whole(stream, first, shape, validated.request_id, parsed.choices)
-                return await _event_stream(
-                    request, stream, first, shape, validated.request_id, self.router
-                )
+                    return await _whole(stream, first, shape, request_id, parsed.choices, total)
+                return await _event_stream(request, stream, first, shape, request_id, self.router)
 
-    def _shape(self, parsed: ParsedRequest, validated: ValidatedRequest) -> ResponseShape:
+    def _shape(self, parsed: ParsedRequest, validated: list[ValidatedRequest]) -> ResponseShape:
         if self._texts is None:
             self._texts = TokenTexts(self.router.tokenizer)
-        prompt_text = ""
-        if parsed.echo:
-            prompt_text = parsed.request.text or self.router.tokenizer.decode(validated.prompt_ids)
+        prompt_texts = [
+            (asked.text or self.router.tokenizer.decode(one.prompt_ids)) if parsed.echo else ""
+            for asked, one in zip(parsed.requests, validated)
+        ]
         return ResponseShape(
             parsed,
             self.served_model,
-            validated.request_id,
+            validated[0].request_id,
             self._texts,
-            validated.prompt_ids,
-            prompt_text,
+            [one.prompt_ids for one in validated],
+            prompt_texts,
         )
 
     async def _parse(
         self, request: web.Request, chat: bool, request_id: str
-    ) -> tuple[ParsedRequest, ValidatedRequest]:
+    ) -> tuple[ParsedRequest, list[ValidatedRequest]]:
+        """The request, and each of its prompts validated (one but for a batch of completions)."""
         if request.content_type != "application/json":
             raise ApiError(
                 415,
@@ -179,10 +214,17 @@ class HttpFrontend:
         except web.HTTPRequestEntityTooLarge as error:
             raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes") from error
         parsed = parse_request(parse_body(raw), chat, self.served_model, request_id)
-        try:
-            validated = validate(parsed.request, self.router.tokenizer, self.limits)
-        except RequestValidationError as error:
-            raise invalid(openai_param(error.field, parsed), error.reason) from error
+        validated = []
+        for index, one in enumerate(parsed.requests):
+            try:
+                validated.append(validate(one, self.router.tokenizer, self.limits))
+            except RequestValidationError as error:
+                which = (
+                    f"prompt[{index}]: "
+                    if parsed.batch and error.field.startswith("prompt")
+                    else ""
+                )
+                raise invalid(openai_param(error.field, parsed), which + error.reason) from error
         return parsed, validated
 
     # -- operations ------------------------------------------------------------------------------
@@ -236,22 +278,28 @@ class HttpFrontend:
 
 
 async def _whole(
-    stream, first: tuple[int, StreamItem], shape: ResponseShape, request_id: str, choices: Choices
+    stream,
+    first: tuple[int, StreamItem],
+    shape: ResponseShape,
+    request_id: str,
+    choices: Choices,
+    total: int,
 ) -> web.Response:
-    generated: list[list[StreamItem]] = [[] for _ in range(choices.best_of)]
+    """`total` choices: best_of per prompt."""
+    generated: list[list[StreamItem]] = [[] for _ in range(total)]
     finished = 0
     index, item = first
     try:
         while True:
             generated[index].append(item)
             finished += item.final is not None
-            if finished == choices.best_of:
+            if finished == total:
                 break
             index, item = await anext(stream)
     except Exception as error:
         raise _api_error(error, request_id) from error
     if choices.best_of > choices.n:
-        generated = best(generated, choices.n)
+        generated = best(generated, choices)
     return web.json_response(shape.full(generated))
 
 
@@ -273,11 +321,12 @@ async def _event_stream(
         }
     )
     await response.prepare(request)
-    num_choices = shape.parsed.choices.best_of  # streamed: best_of == n
+    # streamed: best_of == n
+    num_choices = shape.parsed.choices.best_of * len(shape.parsed.requests)
     (index, item), opened = first, set()
     # per choice: items not sent yet (tokens without text so far: their logprobs wait too)
     pending: dict[int, list[StreamItem]] = {}
-    finals: list[FinalInfo] = []
+    finals: dict[int, FinalInfo] = {}
     try:
         while True:
             waiting = pending.setdefault(index, [])
@@ -290,10 +339,11 @@ async def _event_stream(
                 await response.write(event)
                 opened.add(index)
             if item.final is not None:
-                finals.append(item.final)
+                finals[index] = item.final
                 if len(finals) == num_choices:
                     if shape.parsed.include_usage:
-                        await response.write(sse(shape.usage_chunk(finals)))
+                        in_order = [finals[i] for i in sorted(finals)]
+                        await response.write(sse(shape.usage_chunk(in_order)))
                     break
             index, item = await anext(stream)
     except ConnectionResetError:

@@ -300,10 +300,18 @@ class _PoolCollector:
         gpu_util = GaugeMetricFamily(
             "pdserve_gpu_utilization_ratio", "GPU utilisation (NVML)", labels=["worker", "gpu"]
         )
+        kernel_info = GaugeMetricFamily(
+            "pdserve_worker_kernel_info",
+            "Per worker and op: the native kernel it runs (engine/kernels.py), or the fallback "
+            "where none passed its self-check or one failed",
+            labels=["worker", "op", "kernel"],
+        )
         for row in snap.workers:
             load, labels = row.load, [row.worker_id, row.role]
             if load is None:
                 continue
+            for op, kernel in load.kernels:
+                kernel_info.add_metric([row.worker_id, op, kernel], 1)
             values = {
                 "running_requests": load.running_requests,
                 "waiting_requests": load.waiting_requests,
@@ -335,4 +343,4 @@ class _PoolCollector:
                 gpu_memory_total.add_metric([row.worker_id, index], gpu.memory_total_bytes)
                 gpu_util.add_metric([row.worker_id, index], gpu.utilization)
         yield from per_worker.values()
-        yield from (gpu_info, gpu_memory, gpu_memory_total, gpu_util)
+        yield from (gpu_info, gpu_memory, gpu_memory_total, gpu_util, kernel_info)

@@ -5,8 +5,7 @@ turned into OpenAI response objects and SSE chunks.
 Errors are `ApiError`s carrying the HTTP status and OpenAI's error shape
 (`error.message/type/param`), with `param` naming the offending field as the client spelled it.
 Unknown fields are refused, as OpenAI does; known fields we do not implement are accepted only at
-their neutral value (for example `n: 1`, `presence_penalty: 0`), otherwise refused with a message
-saying so.
+their neutral value (for example `suffix: ""`), otherwise refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -41,13 +40,8 @@ ERROR_TYPES = {
 
 # Accepted only at these (neutral) values: the engine implements nothing else for them.
 _NEUTRAL = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
     "suffix": ("",),
     "parallel_tool_calls": (True, False),
-    "min_tokens": (0,),
     "functions": ([],),
     "function_call": ("none",),
 }
@@ -56,6 +50,8 @@ _NEUTRAL_IN = {
     False: {"top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",)},
     True: {"echo": (False,)},
 }
+# numbers passed on as they are (SamplingParams checks their ranges): OpenAI's and vLLM's
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 # vLLM's structured-output extensions (both endpoints) and OpenAI's chat `response_format`
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice")
 _COMMON = {
@@ -78,12 +74,16 @@ _COMMON = {
     "tool_choice",
     "n",
     "best_of",
+    *PENALTY_FIELDS,
+    "logit_bias",
+    "min_tokens",
     *GUIDED_FIELDS,
     *_NEUTRAL,
 }
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "response_format"})
 CHAT_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+MAX_PROMPTS = 256  # prompts in one completion request (each counted by the admission limits)
 CHAT_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
@@ -131,6 +131,14 @@ class ParsedRequest:
     guided_param: Optional[str] = None
     tool_choice: Optional[ToolChoice] = None  # chat with tools: how calls are read from the answer
     choices: Choices = Choices()  # n and best_of (router/choices.py)
+    # completions with an array of prompts: the requests of the prompts after the first
+    batch: tuple["pb.GenerateRequest", ...] = ()
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+
+    @property
+    def requests(self) -> tuple["pb.GenerateRequest", ...]:
+        """One request per prompt (only completions have more than one)."""
+        return (self.request, *self.batch)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -203,7 +211,8 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
             request.sampling.guided.json_schema = json.dumps(tools.schema, ensure_ascii=False)
             guided_param = "tool_choice"
     else:
-        _completion_prompt(body.get("prompt"), request)
+        prompts = _completion_prompts(body.get("prompt"))
+        _set_prompt(request, prompts[0])
     max_tokens_param = (
         "max_completion_tokens"
         if chat and body.get("max_completion_tokens") is not None
@@ -223,7 +232,7 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
             request.sampling.prompt_logprobs = logprobs
     stream = _typed(body, "stream", bool, False)
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise invalid("stream_options", "is only allowed when stream is true")
@@ -231,12 +240,30 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
             "include_usage",
             "continuous_usage_stats",
         }:
-            raise invalid("stream_options", "must be an object with include_usage (bool)")
+            raise invalid(
+                "stream_options",
+                "must be an object with include_usage (bool) and continuous_usage_stats (bool)",
+            )
         include_usage = _typed(
             options, "include_usage", bool, False, "stream_options.include_usage"
         )
+        # vLLM's: usage in every chunk too (with include_usage, as vLLM)
+        continuous_usage = include_usage and _typed(
+            options,
+            "continuous_usage_stats",
+            bool,
+            False,
+            "stream_options.continuous_usage_stats",
+        )
     _typed(body, "user", str, None)
     choices = _choices(body, stream)
+    batch = []
+    for prompt in [] if chat else prompts[1:]:  # the same request but for its prompt
+        other = pb.GenerateRequest()
+        other.CopyFrom(request)
+        other.ClearField("prompt")
+        _set_prompt(other, prompt)
+        batch.append(other)
     return ParsedRequest(
         request,
         chat,
@@ -249,6 +276,8 @@ def parse_request(body: dict, chat: bool, served_model: str, request_id: str) ->
         guided_param,
         tool_choice,
         choices,
+        tuple(batch),
+        continuous_usage,
     )
 
 
@@ -369,23 +398,38 @@ def _is_neutral(value: Any, allowed: tuple) -> bool:
     return value is None or any(type(value) is type(v) and value == v for v in allowed)
 
 
-def _completion_prompt(prompt: Any, request: "pb.GenerateRequest") -> None:
+def _completion_prompts(prompt: Any) -> list:
+    """The prompts of a completion: a string, an array of token ids, or an array of either (a batch,
+    answered as one response with each prompt's choices)."""
     if prompt is None:
         raise invalid("prompt", "is required")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    batch = (
+        prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        else [prompt]
+    )
+    if len(batch) > MAX_PROMPTS:
+        raise invalid("prompt", f"holds {len(batch)} prompts; at most {MAX_PROMPTS} per request")
+    for index, one in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt[{index}]"
+        if isinstance(one, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in one
+        ):
+            if any(t < 0 or t >= 2**32 for t in one):
+                raise invalid("prompt", f"{where}: token ids must be non-negative")
+        elif not isinstance(one, str):
+            raise invalid(
+                "prompt",
+                f"{where}: must be a string or an array of token ids (or an array of those)",
+            )
+    return batch
+
+
+def _set_prompt(request: "pb.GenerateRequest", prompt) -> None:
     if isinstance(prompt, str):
         request.text = prompt
-    elif isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        if any(t < 0 or t >= 2**32 for t in prompt):
-            raise invalid("prompt", "token ids must be non-negative")
-        request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid("prompt", f"holds {len(prompt)} prompts; send one prompt per request")
     else:
-        raise invalid("prompt", "must be a string or an array of token ids")
+        request.token_ids.ids.extend(prompt)
 
 
 def _chat_prompt(messages: Any, request: "pb.GenerateRequest") -> None:
@@ -403,7 +447,7 @@ def _chat_prompt(messages: Any, request: "pb.GenerateRequest") -> None:
             raise invalid(f"{where}.role", "is required (a string)")
         added = request.chat.messages.add(
             role=CHAT_ROLE_ALIASES.get(role, role),
-            content=_content_text(message.get("content"), where),
+            content=content_text(message.get("content"), where),
         )
         calls = message.get("tool_calls")
         if calls is not None:
@@ -415,7 +459,7 @@ def _chat_prompt(messages: Any, request: "pb.GenerateRequest") -> None:
             setattr(added, name, value)
 
 
-def _content_text(content: Any, where: str) -> str:
+def content_text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -476,6 +520,36 @@ def _sampling(body: dict, sampling: "pb.SamplingParams", max_tokens_param: str) 
         raise invalid("stop_token_ids", "must be an array of non-negative token ids")
     sampling.stop_token_ids.extend(stop_token_ids)
     sampling.ignore_eos = _typed(body, "ignore_eos", bool, False)
+    for name in PENALTY_FIELDS:
+        value = _typed(body, name, float, None)
+        if value is not None:
+            setattr(sampling, name, value)
+    min_tokens = _typed(body, "min_tokens", int, None)
+    if min_tokens is not None:
+        if not 0 <= min_tokens < 2**32:
+            raise invalid("min_tokens", f"must be >= 0, got {min_tokens}")
+        sampling.min_tokens = min_tokens
+    _logit_bias(body.get("logit_bias"), sampling)
+
+
+def _logit_bias(value: Any, sampling: "pb.SamplingParams") -> None:
+    """OpenAI's `{"token id": bias}`: the ids as strings (or numbers), biases in [-100, 100]."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", "must be an object mapping token ids to biases")
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id < 2**32:
+            raise invalid("logit_bias", f"keys must be token ids (integers >= 0), got {key!r}")
+        if not _KINDS[float][1](bias):
+            raise invalid(
+                "logit_bias", f"values must be numbers, got {json.dumps(bias)[:40]} for {key}"
+            )
+        sampling.logit_bias[token_id] = bias
 
 
 def openai_param(field: str, parsed: ParsedRequest) -> str:
@@ -498,10 +572,10 @@ def openai_param(field: str, parsed: ParsedRequest) -> str:
 # -- responses ---------------------------------------------------------------------------------
 
 
-def usage_body(finals: Sequence[FinalInfo]) -> dict:
-    """Usage of the choices that ended with `finals`: the prompt counted once, their tokens
-    summed."""
-    prompt_tokens = finals[0].prompt_tokens
+def usage_body(finals: Sequence[FinalInfo], per_prompt: int = 1) -> dict:
+    """Usage of the choices that ended with `finals`, in index order, `per_prompt` choices to each
+    prompt: each prompt counted once, their tokens summed."""
+    prompt_tokens = sum(final.prompt_tokens for final in finals[::per_prompt])
     completion_tokens = sum(final.completion_tokens for final in finals)
     return {
         "prompt_tokens": prompt_tokens,
@@ -525,12 +599,13 @@ class ResponseShape:
     model: str
     request_id: str
     texts: Optional[TokenTexts] = None
-    prompt_ids: Sequence[int] = ()
-    prompt_text: str = ""
+    prompt_ids: Sequence[Sequence[int]] = ((),)  # per prompt (a batch of completions has several)
+    prompt_text: Sequence[str] = ("",)
     created: int = 0
     # per choice: text streamed so far (where its next chunk's text_offset starts), its tool calls
     _streamed_chars: dict[int, int] = field(default_factory=dict)
     _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    _sent_tokens: dict[int, int] = field(default_factory=dict)  # per choice (continuous usage)
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -542,7 +617,12 @@ class ResponseShape:
         )
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _answer(self, items: Sequence[StreamItem], opening: bool) -> tuple[str, list[Entry]]:
+    def _prompt_of(self, index: int) -> int:
+        return index // self.parsed.choices.best_of
+
+    def _answer(
+        self, items: Sequence[StreamItem], opening: bool, prompt: int = 0
+    ) -> tuple[str, list[Entry]]:
         """The items' text and logprob entries; the opening one of an echo with the prompt's before
         them."""
         text = "".join(item.text for item in items)
@@ -558,8 +638,8 @@ class ResponseShape:
             prompt_logprobs = next(
                 (item.prompt_logprobs for item in items if item.prompt_logprobs is not None), None
             )
-            text = self.prompt_text + text
-            entries = [*zip(self.prompt_ids, prompt_logprobs or ()), *entries]
+            text = self.prompt_text[prompt] + text
+            entries = [*zip(self.prompt_ids[prompt], prompt_logprobs or ()), *entries]
         return text, entries
 
     def _logprobs(self, entries: list[Entry], text_offset: int = 0) -> Optional[dict]:
@@ -604,7 +684,8 @@ class ResponseShape:
         """The whole answer: each choice's stream items (the last one final), in index order."""
         bodies = []
         for index, items in enumerate(choices):
-            text, entries = self._answer(items, opening=True)
+            # after best_of's choosing, n per prompt
+            text, entries = self._answer(items, True, index // self.parsed.choices.n)
             calls = None
             if self.parsed.tool_choice is not None:
                 text, calls = parse_calls(text, self.parsed.tool_choice)
@@ -614,13 +695,14 @@ class ResponseShape:
                 self._choice(index, text, reason, False, logprobs=logprobs, tool_calls=calls)
             )
         finals = [items[-1].final for items in choices]
-        return {**self._envelope(False), "choices": bodies, "usage": usage_body(finals)}
+        usage = usage_body(finals, self.parsed.choices.n)
+        return {**self._envelope(False), "choices": bodies, "usage": usage}
 
     def chunk(self, items: Sequence[StreamItem], first: bool = False, index: int = 0) -> dict:
         """One SSE chunk of choice `index`'s items since its last one sent (their text, and logprobs
         of all their tokens)."""
         final = items[-1].final if items else None
-        text, entries = self._answer(items, opening=first)
+        text, entries = self._answer(items, first, self._prompt_of(index))
         streamed_chars = self._streamed_chars.get(index, 0)
         logprobs = (
             self._logprobs(entries, streamed_chars)
@@ -637,12 +719,23 @@ class ResponseShape:
             **self._envelope(True),
             "choices": [self._choice(index, text, reason, True, first, logprobs, calls)],
         }
-        if self.parsed.include_usage:
+        if self.parsed.continuous_usage:
+            sent = self._sent_tokens.get(index, 0) + sum(len(item.token_ids) for item in items)
+            self._sent_tokens[index] = sent
+            prompt_tokens = len(self.prompt_ids[self._prompt_of(index)])
+            body["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": sent,
+                "total_tokens": prompt_tokens + sent,
+            }
+        elif self.parsed.include_usage:
             body["usage"] = None
         return body
 
     def usage_chunk(self, finals: Sequence[FinalInfo]) -> dict:
-        return {**self._envelope(True), "choices": [], "usage": usage_body(finals)}
+        """`finals` in index order."""
+        usage = usage_body(finals, self.parsed.choices.n)
+        return {**self._envelope(True), "choices": [], "usage": usage}
 
 
 def sse(body: dict, dumps: Callable[[Any], str] = json.dumps) -> bytes:

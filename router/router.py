@@ -288,6 +288,7 @@ class Router:
             params = dataclasses.replace(
                 request.params,
                 max_tokens=request.params.max_tokens - len(progress.token_ids),
+                min_tokens=max(0, request.params.min_tokens - len(progress.token_ids)),
                 prompt_logprobs=None if progress.token_ids else request.params.prompt_logprobs,
             )
             flow = self._flows.local

@@ -59,8 +59,8 @@ def _check_no_unknown_fields(message, path: str) -> None:
             path or "request", f"unknown field number {unknown[0].field_number}"
         )
     for descriptor, value in message.ListFields():
-        if descriptor.message_type is None:
-            continue
+        if descriptor.message_type is None or descriptor.message_type.GetOptions().map_entry:
+            continue  # scalars, and maps of scalars (logit_bias)
         name = f"{path}.{descriptor.name}" if path else descriptor.name
         values = value if descriptor.is_repeated else [value]
         for item in values:
@@ -89,8 +89,13 @@ def validate(request, tokenizer: Tokenizer, limits: ValidationLimits) -> Validat
             params, guided=_guided(request.sampling.guided, len(prompt_ids))
         )
     room = limits.max_context_tokens - len(prompt_ids)
-    if params.max_tokens > room:
-        params = dataclasses.replace(params, max_tokens=room)  # OpenAI-style: cut to the context
+    if params.max_tokens > room:  # OpenAI-style: cut to the context
+        params = dataclasses.replace(
+            params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+        )
+    if params.presence_penalty or params.frequency_penalty:
+        # a migrated request's re-prefilled output still counts as output
+        params = dataclasses.replace(params, prompt_tokens=len(prompt_ids))
     return ValidatedRequest(request_id, prompt_ids, params)
 
 
@@ -232,12 +237,25 @@ def _sampling_params(sampling, limits: ValidationLimits) -> SamplingParams:
         "prompt_logprobs": sampling.prompt_logprobs
         if sampling.HasField("prompt_logprobs")
         else None,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty
+        if sampling.HasField("repetition_penalty")
+        else 1.0,
+        "logit_bias": tuple(sorted(sampling.logit_bias.items())),
+        "min_tokens": sampling.min_tokens,
+        "min_p": sampling.min_p,
     }
-    bad_ids = [t for t in fields["stop_token_ids"] if t >= limits.vocab_size]
-    if bad_ids:
-        raise RequestValidationError(
-            "sampling.stop_token_ids", f"token id {bad_ids[0]} is outside the vocabulary"
-        )
+    for name, ids in (
+        ("stop_token_ids", fields["stop_token_ids"]),
+        ("logit_bias", [t for t, _ in fields["logit_bias"]]),
+    ):
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise RequestValidationError(
+                f"sampling.{name}",
+                f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
+            )
     try:
         return SamplingParams(**fields)
     except ValueError as error:  # SamplingParams names the field first

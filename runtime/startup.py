@@ -11,9 +11,12 @@ from typing import Optional
 
 import torch
 
+from engine import kernels
 from engine.dtypes import dtype_reason, resolve_device
+from engine.fused_ops import load_fused_ops
 from engine.llm_engine import EngineConfig, LLMEngine
-from protocol.messages import WorkerInfo
+from engine.prefill_attention import load_prefill_kernel
+from protocol.messages import WorkerInfo, kernels_line
 from runtime.cores import CorePolicy, CoreShare
 from runtime.cpus import usable_cpus
 
@@ -39,6 +42,9 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     # CPUs it was granted.
     threads = granted_cpus()
     torch.set_num_threads(threads)
+    # before any kernel loads: a kernel that killed a worker of this node is marked bad, and one
+    # that kills this worker will be (engine/kernels.py)
+    kernels.watch_crashes()
     # "auto" resolves here, on the worker's node: cuda where Ray gave this actor a GPU (it asked for
     # one).
     config = dataclasses.replace(
@@ -47,12 +53,12 @@ def start_engine(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine(config)  # the router detokenizes
     # torch, Ray and the model (330k objects) are here for the process's life: frozen, they are out
     # of the collector's full passes, each otherwise a 160 ms pause in the middle of a decode step.
+    select_kernels(engine)
     gc.collect()
     gc.freeze()
-    kernel = engine.loaded.model.layers[0].self_attn.decode_kernel
     log.info(
         "engine ready: model %s on %s, %s (asked: %s; CPU: %s), %d threads, %d KV blocks (%d "
-        "tokens), decode attention: %s",
+        "tokens), kernels: %s",
         config.model,
         config.device,
         engine.layout.dtype,
@@ -61,9 +67,19 @@ def start_engine(config: EngineConfig) -> LLMEngine:
         threads,
         engine.allocator.num_blocks,
         engine.allocator.num_blocks * config.block_size_tokens,
-        "paged kernel" if kernel is not None else "torch (gather + SDPA)",
+        kernels_line(kernels.summary()),
     )
     return engine
+
+
+def select_kernels(engine: LLMEngine) -> None:
+    """Every op's kernel chosen (built and self-checked where new) before the first request, not
+    during it; the model's load chose its linears' and decode attention's already."""
+    if torch.device(engine.config.device).type != "cpu":
+        return
+    load_fused_ops()
+    if engine.loaded.model.embed_tokens.weight.dtype == torch.bfloat16:
+        load_prefill_kernel()
 
 
 def share_cores(engine: LLMEngine, policy: CorePolicy) -> Optional[CoreShare]:
@@ -96,6 +112,7 @@ def describe(engine: LLMEngine, worker_id: str, role: str, kv_address: Optional[
         engine.layout.block_size_tokens,
         engine.layout.bytes_per_block,
         _dtype_reason(engine.config),
+        kernels.summary(),
     )
 
 

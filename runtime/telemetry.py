@@ -10,6 +10,7 @@ import functools
 import os
 from typing import Any, Callable
 
+from engine import kernels
 from protocol.messages import GpuStats, WorkerLoad
 
 
@@ -96,5 +97,9 @@ async def load_report(
 
     gpus, gpu_note = gpu_stats()
     return dataclasses.replace(
-        await loop.call(snapshot), gpus=gpus, gpu_note=gpu_note, rss_bytes=rss_bytes()
+        await loop.call(snapshot),
+        gpus=gpus,
+        gpu_note=gpu_note,
+        rss_bytes=rss_bytes(),
+        kernels=kernels.summary(),
     )

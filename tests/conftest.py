@@ -1,7 +1,11 @@
 import os
+import tempfile
 
 # Keep every Ray server of the test run on loopback; Ray reads this when it is first imported.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Every process of the run (this one, the kernels' self-checks, Ray's workers) lists the kernel
+# builds it loads here: the log ends with the variants the run executed (engine/kernels.py).
+os.environ["PDSERVE_KERNEL_RECORD"] = tempfile.mkdtemp(prefix="pdserve-kernels-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -77,3 +81,27 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("slowest 15 files")
     for path, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    _kernel_variants(terminalreporter)
+
+
+def _kernel_variants(terminalreporter):
+    """The native kernel variants this run loaded and ran (each is run against a float64 reference
+    by its self-check or its test), with the CPU they ran on: what a green run covered."""
+    import collections
+    from pathlib import Path
+
+    from engine.kernels import name_of
+
+    processes = collections.Counter()
+    for listing in Path(os.environ["PDSERVE_KERNEL_RECORD"]).glob("*.txt"):
+        for name in {name_of(*line.split("\t", 1)) for line in listing.read_text().splitlines()}:
+            processes[name] += 1
+    terminalreporter.section("kernel variants executed")
+    terminalreporter.write_line(
+        f"CPU: {torch.backends.cpu.get_cpu_capability()}, AVX512_BF16 "
+        f"{torch.cpu._is_avx512_bf16_supported()}, AMX tiles {torch.cpu._is_amx_tile_supported()}"
+    )
+    for name, count in sorted(processes.items()):
+        terminalreporter.write_line(f"  {name}: loaded by {count} process(es)")
+    if not processes:
+        terminalreporter.write_line("  none")

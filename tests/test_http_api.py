@@ -229,3 +229,125 @@ def test_metrics_count_each_request_and_show_the_pools(served, client):
     assert len(rate) == 1 and 0 < rate[0] < 1, rate
     slack = [v for k, v in after.items() if k.startswith("pdserve_worker_decode_slack_seconds")]
     assert slack == [math.inf, math.inf], slack
+
+
+# -- penalties, batched prompts, continuous usage, tokenize (issue #55) ---------------------------
+
+
+def test_penalties_through_the_api_equal_the_single_process_engine(served, client, smollm_fp32):
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    prompt = "List the days of the week:"
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=32 << 20), loaded=smollm_fp32)
+    ids = smollm_fp32.tokenizer.encode(prompt)
+    params = SamplingParams(
+        max_tokens=16,
+        temperature=0.5,
+        seed=11,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.25,
+        min_p=0.05,
+        logit_bias=((11, -5.0),),
+        prompt_tokens=len(ids),
+    )
+    expected = engine.generate([ids], params)[0]
+    plain = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.5, seed=11))[0]
+    assert expected.token_ids != plain.token_ids  # the options change this stream
+    got = client.completions.create(
+        model=served.config.model_name,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0.5,
+        seed=11,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"11": -5.0},
+        extra_body={"repetition_penalty": 1.25, "min_p": 0.05},
+        logprobs=0,
+    )
+    assert got.choices[0].text == smollm_fp32.tokenizer.decode(expected.token_ids)
+    assert len(got.choices[0].logprobs.token_logprobs) == len(expected.token_ids)
+
+
+def post_json(served, path: str, body: dict) -> dict:
+    status, _, reply = http(served, "POST", path, body, AUTH)
+    assert status == 200, reply
+    return json.loads(reply)
+
+
+def test_logit_bias_bans_and_forces_a_token_and_min_tokens_holds_stops_back(served, client):
+    model = served.config.model_name
+    greedy = {"model": model, "prompt": "The capital of France is", "temperature": 0}
+    with grpc_client(served) as grpc:
+        plain = grpc.generate(
+            grpc.request("The capital of France is", max_tokens=6, temperature=0)
+        ).token_ids
+    banned = plain[0]
+    without = client.completions.create(
+        **greedy, max_tokens=6, logit_bias={str(banned): -100}, extra_body={"ignore_eos": True}
+    )
+    assert (
+        without.choices[0].text != client.completions.create(**greedy, max_tokens=6).choices[0].text
+    )
+    ids = post_json(
+        served, "/tokenize", {"prompt": without.choices[0].text, "add_special_tokens": False}
+    )
+    assert banned not in ids["tokens"]
+    forced = client.completions.create(**greedy, max_tokens=3, logit_bias={"28": 100})
+    assert (
+        forced.choices[0].text == post_json(served, "/detokenize", {"tokens": [28] * 3})["prompt"]
+    )
+    stops = {"stop_token_ids": [banned]}
+    stopped = client.completions.create(**greedy, max_tokens=6, extra_body=stops)
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    held = client.completions.create(**greedy, max_tokens=6, extra_body={**stops, "min_tokens": 4})
+    assert held.usage.completion_tokens >= 4
+
+
+def test_a_batch_of_prompts_answers_as_single_requests_do(served, client):
+    model = served.config.model_name
+    prompts = ["One, two,", "The sky is", [504, 3458, 314], "Paris is the capital of"]
+    options = {"max_tokens": 3, "temperature": 0.7, "seed": 4, "n": 2}
+    batch = client.completions.create(model=model, prompt=prompts, **options)
+    assert [c.index for c in batch.choices] == list(range(8))
+    singles = [client.completions.create(model=model, prompt=p, **options) for p in prompts]
+    for i, single in enumerate(singles):
+        for j in range(2):
+            assert batch.choices[i * 2 + j].text == single.choices[j].text
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+    streamed: dict[int, str] = {}
+    usage = []
+    for chunk in client.completions.create(
+        model=model,
+        prompt=prompts,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        **options,
+    ):
+        usage.append(chunk.usage)
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {i: c.text for i, c in enumerate(batch.choices)}
+    assert all(u is not None for u in usage)  # continuous: usage in every chunk
+    assert usage[-1].completion_tokens == batch.usage.completion_tokens
+
+
+def test_tokenize_detokenize_and_version(served):
+    text = "Hello, world! Ça va?"
+    reply = post_json(served, "/tokenize", {"prompt": text})
+    assert reply["count"] == len(reply["tokens"]) > 3 and reply["max_model_len"] > 0
+    back = post_json(served, "/detokenize", {"tokens": reply["tokens"]})
+    assert back["prompt"].endswith(text)
+    chat = post_json(served, "/tokenize", {"messages": [{"role": "user", "content": text}]})
+    assert chat["count"] > reply["count"]
+    status, _, body = http(served, "GET", "/version")
+    assert status == 200 and json.loads(body)["version"]
+    status, _, body = http(served, "POST", "/detokenize", {"tokens": [-1]}, AUTH)
+    assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}

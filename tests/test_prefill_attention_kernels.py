@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from engine import disk_cache, model, prefill_attention
+from engine import cpu_features, disk_cache, model, prefill_attention
 from engine.model import Attention, _prefill_kernel
 from engine.paged_attention import build
 from tests.attention_shapes import attention_layer
 
-AMX = torch.cpu._is_amx_tile_supported()
+AMX = cpu_features.amx_unavailable_reason() is None  # the CPU has tiles and Linux grants them
 KIND = prefill_attention.kernel_kind()  # what this CPU takes (None: the torch path)
 # every kernel this CPU can run (an AMX CPU has AVX512-BF16 too)
 RUNNABLE = [
@@ -160,9 +160,9 @@ def test_the_kernel_loads_exactly_where_the_cpu_has_amx_or_avx512_bf16(
         # a compiler that fails leaves the torch path, with a warning (where there is a kernel)
         monkeypatch.setenv("CC", "false")
         prefill_attention.load_prefill_kernel.cache_clear()
-        with caplog.at_level(logging.WARNING, logger="engine.prefill_attention"):
+        with caplog.at_level(logging.WARNING, logger="engine.kernels"):
             assert prefill_attention.load_prefill_kernel() is None
-        assert ("using the torch path" in caplog.text) == (KIND is not None)
+        assert ("torch runs instead" in caplog.text) == (KIND is not None)
         monkeypatch.delenv("CC")
         monkeypatch.setenv(prefill_attention.DISABLE_ENV, "1")
         prefill_attention.load_prefill_kernel.cache_clear()

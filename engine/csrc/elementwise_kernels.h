@@ -1,10 +1,12 @@
 /* The kernels of elementwise.c for one element type, included there once per type (no include
  * guard): ELEM is the stored type, LOAD(e) an element as float, STORE(f) a float rounded to ELEM,
- * NAME(op) the kernel's exported name. Math is in fp32; each result is stored (rounded) once. */
+ * NAME(op) the kernel's exported name. Math is in fp32; each result is stored (rounded) once.
+ * Each returns 0, or -1 for a shape it does not take (nothing written). */
 
 /* With `residual`: x += residual first (in place). Then out = x / rms(x) * weight, per row of `cols`. */
 int NAME(add_rms_norm)(ELEM *x, const ELEM *residual, const ELEM *weight, ELEM *out, int64_t rows,
                        int64_t cols, float eps, int64_t num_threads) {
+    if (rows < 0 || cols <= 0) return -1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {
         ELEM *xr = x + r * cols;
@@ -37,6 +39,7 @@ int NAME(add_rms_norm)(ELEM *x, const ELEM *residual, const ELEM *weight, ELEM *
 
 /* x += y, in place. */
 int NAME(add)(ELEM *x, const ELEM *y, int64_t numel, int64_t num_threads) {
+    if (numel < 0) return -1;
 #pragma omp parallel for simd num_threads(num_threads) schedule(static) if (numel > 65536)
     for (int64_t i = 0; i < numel; i++) {
         x[i] = STORE(LOAD(x[i]) + LOAD(y[i]));
@@ -46,6 +49,7 @@ int NAME(add)(ELEM *x, const ELEM *y, int64_t numel, int64_t num_threads) {
 
 /* out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]. */
 int NAME(silu_mul)(const ELEM *gate_up, ELEM *out, int64_t rows, int64_t inter, int64_t num_threads) {
+    if (rows < 0 || inter < 0) return -1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {
         const ELEM *restrict g = gate_up + r * 2 * inter;
@@ -65,6 +69,10 @@ int NAME(silu_mul)(const ELEM *gate_up, ELEM *out, int64_t rows, int64_t inter, 
  * [rows, head_dim] (rotate_half's sign folded into signed_sin). out is contiguous [rows, heads, head_dim]. */
 int NAME(rope)(const ELEM *x, int64_t x_stride, const ELEM *cos, const ELEM *signed_sin, ELEM *out,
                int64_t rows, int64_t heads, int64_t head_dim, int64_t num_threads) {
+    /* halves swap: an even head_dim; a row (read only where there are two) holds its heads */
+    if (rows < 0 || heads < 0 || head_dim <= 0 || head_dim % 2 ||
+        (rows > 1 && x_stride < heads * head_dim))
+        return -1;
     const int64_t half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {

@@ -17,39 +17,28 @@
  *
  * Layouts and threads: prefill_attention.h.
  *
- * The caller must have `amx_prefill_init` return 0 once per process (Linux grants AMX state only on
- * request); compiled with -mamx-tile -mamx-bf16 -mavx512bf16, it runs only where the CPU has them.
+ * The process must hold Linux's permission for the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM),
+ * which engine/prefill_attention.py requests before it loads this); compiled with -mamx-tile
+ * -mamx-bf16 -mavx512bf16, it runs only where the CPU has them. The tile instructions go through
+ * amx_tiles.h, whose operands tell the compiler what memory each reads and writes.
  */
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx_tiles.h"
 #include "prefill_attention.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-int amx_prefill_init(void) {
-    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-}
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
+/* Every tile 16 rows of 64 bytes. Called through a pointer (run_prefill_attention's `begin`): the
+ * config's stores reach memory because amx_load_config reads all of it. */
 static void configure_tiles(void) {
-    tile_config config;
+    amx_tile_config config;
     memset(&config, 0, sizeof config);
     config.palette_id = 1;
     for (int t = 0; t < 8; t++) {
-        config.colsb[t] = 64;
-        config.rows[t] = 16;
+        config.colsb[t] = AMX_TILE_ROW_BYTES;
+        config.rows[t] = AMX_TILE_ROWS;
     }
-    _tile_loadconfig(&config);
+    amx_load_config(&config);
 }
 
-static void release_tiles(void) { _tile_release(); }
+static void release_tiles(void) { amx_release(); }
 
 /* One query head's rows [q0, q0 + 16) (those < n written) over keys [0, num_cached + last row], 32
  * keys (KEY_BLOCK) at a time. O stays in tiles 0-3 from the first key to the last: the running maximum a row's
@@ -62,62 +51,62 @@ static void attend_block(const uint16_t *q, int64_t q_stride, int64_t head, int6
                          float scale_log2, uint16_t *out, int64_t num_heads) {
     work_item w;
     start_item(&w, q, q_stride, head, q0, n);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_tile_zero(0);
+    amx_tile_zero(1);
+    amx_tile_zero(2);
+    amx_tile_zero(3);
     /* row r (query q0 + r) sees keys <= num_cached + q0 + r; padding rows as many as the last real one */
     const int64_t last_key = num_cached + q0 + w.rows - 1;
     const int64_t num_blocks = last_key / KEY_BLOCK + 1;
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint16_t *kb = k_packed + b * 4 * TILE_ELEMS;
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_loadd(6, w.q_rows, w.q_row_stride * 2);
-        _tile_loadd(7, kb, 64);
-        _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(7, kb + 2 * TILE_ELEMS, 64);
-        _tile_dpbf16ps(5, 6, 7);
-        _tile_loadd(6, w.q_rows + 32, w.q_row_stride * 2);
-        _tile_loadd(7, kb + 1 * TILE_ELEMS, 64);
-        _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(7, kb + 3 * TILE_ELEMS, 64);
-        _tile_dpbf16ps(5, 6, 7);
-        _tile_stored(4, w.s, KEY_BLOCK * 4);
-        _tile_stored(5, w.s + 16, KEY_BLOCK * 4);
+        amx_tile_zero(4);
+        amx_tile_zero(5);
+        amx_tile_load(6, w.q_rows, w.q_row_stride * 2);
+        amx_tile_load(7, kb, 64);
+        amx_dpbf16ps(4, 6, 7);
+        amx_tile_load(7, kb + 2 * TILE_ELEMS, 64);
+        amx_dpbf16ps(5, 6, 7);
+        amx_tile_load(6, w.q_rows + 32, w.q_row_stride * 2);
+        amx_tile_load(7, kb + 1 * TILE_ELEMS, 64);
+        amx_dpbf16ps(4, 6, 7);
+        amx_tile_load(7, kb + 3 * TILE_ELEMS, 64);
+        amx_dpbf16ps(5, 6, 7);
+        amx_tile_store(4, w.s, KEY_BLOCK * 4);
+        amx_tile_store(5, w.s + 16, KEY_BLOCK * 4);
 
         const int rescale = softmax_block(&w, b, num_cached, q0, scale_log2);
         if (rescale && b > 0) {  /* O's rows times alpha, through memory */
-            _tile_stored(0, w.o, HEAD_DIM * 4);
-            _tile_stored(1, w.o + 16, HEAD_DIM * 4);
-            _tile_stored(2, w.o + 32, HEAD_DIM * 4);
-            _tile_stored(3, w.o + 48, HEAD_DIM * 4);
+            amx_tile_store(0, w.o, HEAD_DIM * 4);
+            amx_tile_store(1, w.o + 16, HEAD_DIM * 4);
+            amx_tile_store(2, w.o + 32, HEAD_DIM * 4);
+            amx_tile_store(3, w.o + 48, HEAD_DIM * 4);
             for (int r = 0; r < Q_ROWS; r++) {
                 const __m512 a = _mm512_set1_ps(w.alpha[r]);
                 for (int j = 0; j < 4; j++)
                     _mm512_store_ps(w.o + r * HEAD_DIM + 16 * j,
                                     _mm512_mul_ps(_mm512_load_ps(w.o + r * HEAD_DIM + 16 * j), a));
             }
-            _tile_loadd(0, w.o, HEAD_DIM * 4);
-            _tile_loadd(1, w.o + 16, HEAD_DIM * 4);
-            _tile_loadd(2, w.o + 32, HEAD_DIM * 4);
-            _tile_loadd(3, w.o + 48, HEAD_DIM * 4);
+            amx_tile_load(0, w.o, HEAD_DIM * 4);
+            amx_tile_load(1, w.o + 16, HEAD_DIM * 4);
+            amx_tile_load(2, w.o + 32, HEAD_DIM * 4);
+            amx_tile_load(3, w.o + 48, HEAD_DIM * 4);
         }
         const uint16_t *vb = v_packed + b * 4 * TILE_ELEMS;
-        _tile_loadd(6, w.p, 64);
-        _tile_loadd(7, vb, 64);
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_loadd(7, vb + 1 * TILE_ELEMS, 64);
-        _tile_dpbf16ps(1, 6, 7);
-        _tile_loadd(7, vb + 2 * TILE_ELEMS, 64);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(7, vb + 3 * TILE_ELEMS, 64);
-        _tile_dpbf16ps(3, 6, 7);
+        amx_tile_load(6, w.p, 64);
+        amx_tile_load(7, vb, 64);
+        amx_dpbf16ps(0, 6, 7);
+        amx_tile_load(7, vb + 1 * TILE_ELEMS, 64);
+        amx_dpbf16ps(1, 6, 7);
+        amx_tile_load(7, vb + 2 * TILE_ELEMS, 64);
+        amx_dpbf16ps(2, 6, 7);
+        amx_tile_load(7, vb + 3 * TILE_ELEMS, 64);
+        amx_dpbf16ps(3, 6, 7);
     }
-    _tile_stored(0, w.o, HEAD_DIM * 4);
-    _tile_stored(1, w.o + 16, HEAD_DIM * 4);
-    _tile_stored(2, w.o + 32, HEAD_DIM * 4);
-    _tile_stored(3, w.o + 48, HEAD_DIM * 4);
+    amx_tile_store(0, w.o, HEAD_DIM * 4);
+    amx_tile_store(1, w.o + 16, HEAD_DIM * 4);
+    amx_tile_store(2, w.o + 32, HEAD_DIM * 4);
+    amx_tile_store(3, w.o + 48, HEAD_DIM * 4);
     store_rows(&w, q0, head, num_heads, out);
 }
 
