@@ -17,7 +17,10 @@ What Ray 2.60 offers (alpha), and what this uses
     the 60 s fetch timeout) makes Ray kill both actors and destroy the group; (e) the actor classes
     need `enable_tensor_transport=True`, which gives each a one-thread `_ray_system` concurrency
     group where Ray runs its send and receive tasks. Ray's docs leave asyncio actors (both our
-    workers) out of RDT; the one-transfer rule below is what makes them safe here.
+    workers) out of RDT; the one-transfer rule below is what makes them safe here. (f) Gloo listens
+    on, and tells its peers, the address the machine's hostname resolves to, often 127.0.0.1: each
+    member is pinned to the interface holding its Ray node address first (`GLOO_SOCKET_IFNAME`),
+    or a group spanning hosts never forms.
 
 How a handoff moves (nothing travels through the object store but the small routed message)
     The sender (prefill worker) copies a layer group into a staging buffer on the cache's device,
@@ -56,6 +59,8 @@ Ownership and failure
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import uuid
 import weakref
@@ -73,6 +78,11 @@ from kvtransfer.wire import KVGroupHeader, as_bytes_view, checksum
 
 CONCURRENCY_GROUP = "pdserve_kv"
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # by the KV cache's device
+# Gloo's interface, read when a process's group forms. Unset, gloo listens on and advertises the
+# address this machine's hostname resolves to: 127.0.0.1 where /etc/hosts says so, which a member
+# on another host cannot reach ("Gloo connectFullMesh failed ... remote=[127.0.0.1]").
+GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
+_SIOCGIFADDR = 0x8915
 # bounds the int64 temporaries of `device_checksum` (128 MiB each)
 _DEVICE_CHECKSUM_CHUNK_WORDS = 1 << 24
 
@@ -91,11 +101,42 @@ def form_group(
     joined."""
     from ray.experimental.collective import create_collective_group
 
+    members = [*senders, *receivers]
+    if backend == "gloo":
+        ray.get([member.__ray_call__.remote(_gloo_on_node_interface) for member in members])
     group = create_collective_group(
-        [*senders, *receivers], backend=backend, name=name or f"pdserve-kv-{uuid.uuid4().hex[:12]}"
+        members, backend=backend, name=name or f"pdserve-kv-{uuid.uuid4().hex[:12]}"
     )
     ray.get([receiver.__ray_call__.remote(_register_group, group) for receiver in receivers])
     return group.name
+
+
+def _gloo_on_node_interface(_actor) -> Optional[str]:
+    """On a member, before its group forms: gloo on the interface that holds this node's Ray
+    address (which every other node reaches it by), unless the user chose one. Returns it."""
+    if GLOO_INTERFACE_ENV not in os.environ:
+        interface = interface_of(ray.util.get_node_ip_address())
+        if interface is not None:
+            os.environ[GLOO_INTERFACE_ENV] = interface
+    return os.environ.get(GLOO_INTERFACE_ENV)
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The network interface whose (primary) IPv4 address is `address`; None if none is."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(
+                    probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
 
 
 def _register_group(_actor, group) -> None:

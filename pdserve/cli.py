@@ -551,6 +551,13 @@ def _status(args: argparse.Namespace) -> int:
         )
         if w.kernels:
             print(f"  {'':<14} kernels: {w.kernels}")
+    for link in stats.links:
+        print(
+            f"  link {link.sender_node} -> {link.receiver_node}: "
+            f"{link.bandwidth_bytes_per_s * 8 / 1e9:.2f} Gbit/s, latency "
+            f"{link.latency_s * 1e3:.2f} ms ({link.handoffs} KV handoffs; the last "
+            f"{link.last_bytes} B in {link.last_s * 1e3:.1f} ms)"
+        )
     for line in stats.autoscaler_decisions:
         print(f"  autoscaler: {line}")
     return 0

@@ -401,7 +401,9 @@ class System:
             for w, load in await self.worker_loads()
         ]
         stats = self.router.stats()
-        return Snapshot(rows, stats.requests_in_flight, stats.requests_waiting_for_kv)
+        return Snapshot(
+            rows, stats.requests_in_flight, stats.requests_waiting_for_kv, self.router.links()
+        )
 
     async def stats(self):
         from pdserve_proto import pdserve_pb2 as pb
@@ -425,6 +427,16 @@ class System:
             slo_met=stats.slo_met,
             slo_finished=stats.slo_finished,
         )
+        for (sender, receiver), link in sorted(router.links().items()):
+            response.links.add(
+                sender_node=sender,
+                receiver_node=receiver,
+                latency_s=link.latency_s,
+                bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                handoffs=link.handoffs,
+                last_bytes=link.last_bytes,
+                last_s=link.last_s,
+            )
         for worker, load in await self.worker_loads():
             failed = isinstance(load, BaseException)
             stats = response.workers.add(

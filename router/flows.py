@@ -145,6 +145,9 @@ class Flows:
             if chunk.kv_ready_wall_s is not None:  # acknowledged to the prefill worker already
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
                 route.prefill_released = True
+                placement.links.observe(
+                    prefill.info.node, decode.info.node, result.kv_bytes, progress.kv_transfer_s
+                )
             progress.decode_step_s = chunk.decode_step_s
             yield self._output.item(
                 progress, chunk.token_ids, chunk.finish_reason, decode.worker_id, chunk.logprobs

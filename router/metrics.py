@@ -69,6 +69,8 @@ class Snapshot:
     workers: list[WorkerRow] = field(default_factory=list)
     requests_running: int = 0
     requests_waiting_for_kv: int = 0
+    # (sender node, receiver node) -> router.links.LinkEstimate: what KV handoffs cost there
+    links: dict = field(default_factory=dict)
 
 
 class RouterMetrics:
@@ -344,3 +346,30 @@ class _PoolCollector:
                 gpu_util.add_metric([row.worker_id, index], gpu.utilization)
         yield from per_worker.values()
         yield from (gpu_info, gpu_memory, gpu_memory_total, gpu_util, kernel_info)
+        yield from _link_families(snap.links)
+
+
+def _link_families(links: dict) -> Iterable[GaugeMetricFamily]:
+    """Per link a KV handoff crossed (router/links.py), from the handoffs themselves."""
+    labels = ["sender_node", "receiver_node"]
+    families = {
+        "latency_seconds": GaugeMetricFamily(
+            "pdserve_link_latency_seconds",
+            "A KV handoff's fixed cost on the link, fitted to its latest handoffs",
+            labels=labels,
+        ),
+        "bandwidth": GaugeMetricFamily(
+            "pdserve_link_bandwidth_bytes_per_second",
+            "KV bytes per second a handoff moves on the link, fitted to its latest handoffs "
+            "(+Inf: too few large ones yet)",
+            labels=labels,
+        ),
+        "handoffs": GaugeMetricFamily(
+            "pdserve_link_handoffs", "KV handoffs seen on the link since start", labels=labels
+        ),
+    }
+    for (sender, receiver), estimate in sorted(links.items()):
+        families["latency_seconds"].add_metric([sender, receiver], estimate.latency_s)
+        families["bandwidth"].add_metric([sender, receiver], estimate.bandwidth_bytes_per_s)
+        families["handoffs"].add_metric([sender, receiver], estimate.handoffs)
+    yield from families.values()

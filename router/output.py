@@ -51,6 +51,7 @@ class FinalInfo:
     prefill_worker: str = ""
     decode_worker: str = ""
     decode_step_s: float = 0.0  # the decode worker's mean engine decode step; 0: none reported
+    pd_decision: str = ""  # where its last attempt prefilled and why (router/pd_policy.py)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Progress:
     prefill: Optional[PrefillResult] = None
     kv_transfer_s: float = 0.0
     cached_prompt_tokens: int = 0
+    pd_decision: str = ""  # its latest attempt's, e.g. "local (link)"; colocated: none
     # the decode worker's mean engine decode step for it, with its last chunk
     decode_step_s: Optional[float] = None
 
@@ -148,4 +150,5 @@ class Output:
             prefill_worker=prefill.worker_id if prefill else "",
             decode_worker=decode_worker_id,
             decode_step_s=progress.decode_step_s or 0.0,
+            pd_decision=progress.pd_decision,
         )

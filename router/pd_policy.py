@@ -10,11 +10,13 @@ step, how long the decode worker's streams could wait within the TPOT target). A
 - when what is left to compute there is short (one interleaved chunk: a handoff costs more than it
   saves): a short prompt, or one whose prefix the decode worker holds already (a conversation's
   earlier turns, reported by its KV events: router/kv_index.py);
-- or when its first token comes sooner there, its streams can wait that long, and either the
-  prefill pool would miss the TTFT target (the prompts it would take first are many: with TTFT
-  deadlines, those in its deadline order before the new prompt, which goes ahead of the ones already
-  late) or the decode worker has less than half as much to compute (it holds a prefix the prefill
-  pool lacks: its streams wait for that work, so it counts twice).
+- or when its first token comes sooner there (the remote path's time counts its KV handoff over
+  the link between the two workers' nodes, as learnt from earlier handoffs: router/links.py), its
+  streams can wait that long, and either the prefill pool would miss the TTFT target (the prompts
+  it would take first are many: with TTFT deadlines, those in its deadline order before the new
+  prompt, which goes ahead of the ones already late), or shipping its KV would (a slow link:
+  reason "link"), or the decode worker has less than half as much to compute (it holds a prefix
+  the prefill pool lacks: its streams wait for that work, so it counts twice).
 Otherwise remote: a prompt the prefill pool serves within the TTFT target never stalls the streams
 (their inter-token tail is what disaggregation buys). The decision reads only numbers the router
 already keeps (queued prompt tokens, the costs that come with results and token streams), so it
@@ -52,7 +54,8 @@ class PDPolicyConfig:
 
 class Decision(NamedTuple):
     path: str  # "remote" or "local"
-    # "policy", "short_prompt", "prefix_hit", "prefill_queue", "no_prefill_worker" or "default"
+    # "policy", "short_prompt", "prefix_hit", "prefill_queue", "link", "no_prefill_worker" or
+    # "default"
     reason: str
 
 
@@ -65,6 +68,8 @@ class Side(NamedTuple):
     queued_tokens: int
     cached_tokens: int  # of this prompt, what it holds already
     costs: WorkerCosts = WorkerCosts()
+    # the remote side: the predicted KV handoff to the decode worker (router/links.py; 0 unknown)
+    transfer_s: float = 0.0
 
 
 def decide(
@@ -94,7 +99,9 @@ def decide(
     if local_tokens * local_token_s > local.costs.decode_slack_s:
         return Decision("remote", "default")  # its streams cannot wait that long
     remote_ttft_s = (remote.queued_tokens + remote_new) * remote_token_s
-    if _local_ttft_s(local.costs, local_tokens, local_token_s) >= remote_ttft_s:
+    # when the decode worker can go on with it: the first token, then the KV over the link
+    remote_ready_s = remote_ttft_s + remote.transfer_s
+    if _local_ttft_s(local.costs, local_tokens, local_token_s) >= remote_ready_s:
         return Decision("remote", "default")
     if local.cached_tokens > remote.cached_tokens and (
         2 * local_new * local_token_s <= remote_new * remote_token_s
@@ -103,6 +110,8 @@ def decide(
     measured = remote.costs.prefill_token_s is not None
     if measured and remote_ttft_s > ttft_target_s:
         return Decision("local", "prefill_queue")
+    if measured and remote_ready_s > ttft_target_s:  # the queue would make it; the link not
+        return Decision("local", "link")
     return Decision("remote", "default")
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 
 from engine.deadlines import Queued, deadline_order  # torch-free
 from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
+from router.links import Links
 from router.metrics import RouterMetrics
 from router.pd_policy import Decision, PDPolicyConfig, Side, decide
 from router.pools.workers import NoWorkerError, WorkerHandle, WorkerPool
@@ -39,8 +40,10 @@ class Placement:
         decode_pool: WorkerPool,
         metrics: RouterMetrics,
         ttft_target_s: float,
+        links: Optional[Links] = None,
     ):
         self.routing = routing
+        self.links = links if links is not None else Links()  # what handoffs cost between nodes
         self._pd = pd
         # the SLO's TTFT: the PD policy weighs the prefill queue by it
         self._ttft_target_s = ttft_target_s
@@ -76,15 +79,27 @@ class Placement:
         ahead = remote and _tokens_ahead(
             remote.worker, len(prompt.ids) - remote.cached_tokens, self._ttft_target_s
         )
+        remote_side = _side(remote, ahead)
+        if remote_side is not None and local is not None:
+            remote_side = remote_side._replace(transfer_s=self._transfer_s(remote, local, prompt))
         decision = decide(
             self._pd,
             len(prompt.ids),
-            _side(remote, ahead),
+            remote_side,
             _side(local) or Side(0, 0),
             self._ttft_target_s,
         )
         self._metrics.pd_decisions.labels(decision.path, decision.reason).inc()
         return decision
+
+    def _transfer_s(self, sender: Candidate, receiver: Candidate, prompt: Prompt) -> float:
+        """The predicted handoff of the prompt's KV, less the blocks the receiver holds already,
+        over the link between the two workers' nodes."""
+        info = receiver.worker.info
+        blocks = math.ceil((len(prompt.ids) - receiver.cached_tokens) / info.block_size_tokens)
+        return self.links.transfer_s(
+            sender.worker.info.node, info.node, max(0, blocks) * info.kv_block_bytes
+        )
 
     def pick(self, pool: WorkerPool, prompt: Prompt) -> WorkerHandle:
         """The pool's best worker for this prompt; NoWorkerError when none is ready."""

@@ -36,6 +36,7 @@ from router.failures import (
 )
 from router.flows import Flows
 from router.kv_index import PrefixIndex, RoutingConfig
+from router.links import LinkEstimate, LinkKey, Links
 from router.metrics import RouterMetrics, Snapshot
 from router.output import FinalInfo, Output, Progress, StreamItem
 from router.overload import AdmissionLimits, OverloadedError
@@ -99,6 +100,7 @@ class Router:
         self.decode_pool = decode_pool
         self._metrics = RouterMetrics()
         self._kv_index = PrefixIndex()  # which worker holds which prefix
+        self._links = Links()  # what a KV handoff costs between two nodes (router/links.py)
         self._streams = TokenStreams(self._kv_index)  # fed with the hash events too
         self._client = WorkerClient()
         self._registry = Registry(self._streams, self._client)
@@ -125,6 +127,7 @@ class Router:
             self.decode_pool,
             self._metrics,
             config.slo.ttft_s,
+            self._links,
         )
         reservation = DecodeReservation(
             ReservationConfig(
@@ -232,6 +235,10 @@ class Router:
         signals)."""
         return self._stats.snapshot(time.monotonic(), len(self._registry))
 
+    def links(self) -> dict[LinkKey, LinkEstimate]:
+        """What a KV handoff has cost on each link (sender node, receiver node) so far."""
+        return self._links.snapshot()
+
     def count_refused(self, reason: str) -> None:
         """Counts a request a front end refused before it reached `generate` ("invalid",
         "unauthorized") in `pdserve_requests_total`."""
@@ -292,11 +299,11 @@ class Router:
                 prompt_logprobs=None if progress.token_ids else request.params.prompt_logprobs,
             )
             flow = self._flows.local
-            if (
-                self.config.mode == "disaggregated"
-                and self._placement.place(prompt).path == "remote"
-            ):
-                flow = self._flows.disaggregated
+            if self.config.mode == "disaggregated":
+                decision = self._placement.place(prompt)
+                progress.pd_decision = f"{decision.path} ({decision.reason})"
+                if decision.path == "remote":
+                    flow = self._flows.disaggregated
             try:
                 async for item in flow(record, wid, prompt, params, progress):
                     yield item

@@ -86,7 +86,7 @@ class RouterStats:
             self.metrics.observe_slo(result)
         log.info(
             "finished (%s): %d prompt (%d cached) + %d completion tokens, TTFT %.1f ms (queue "
-            "%.1f, prefill %.1f), TPOT %.1f ms, KV %d B in %.1f ms, prefill %s, decode %s",
+            "%.1f, prefill %.1f), TPOT %.1f ms, KV %d B in %.1f ms, prefill %s, decode %s, PD %s",
             final.finish_reason,
             final.prompt_tokens,
             final.cached_prompt_tokens,
@@ -99,6 +99,7 @@ class RouterStats:
             final.kv_transfer_s * 1e3,
             final.prefill_worker or "-",
             final.decode_worker,
+            final.pd_decision or "-",
         )
 
     def snapshot(self, now_s: float, requests_in_flight: int) -> RouterStatsSnapshot:

@@ -16,7 +16,14 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray  # noqa: E402
 
 from engine.kv_cache import KVLayout  # noqa: E402
-from kvtransfer.rdt_transport import RdtKVDelivery, actor_class_options, device_checksum, form_group  # noqa: E402
+from kvtransfer.rdt_transport import (  # noqa: E402
+    GLOO_INTERFACE_ENV,
+    RdtKVDelivery,
+    actor_class_options,
+    device_checksum,
+    form_group,
+    interface_of,
+)
 from kvtransfer.wire import KVGroupHeader  # noqa: E402
 from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEndWorker  # noqa: E402
 
@@ -294,3 +301,16 @@ def test_a_tensor_payload_verified_by_the_device_checksum_installs_bit_identical
     assert set(events.ready) == {"good"} and isinstance(dict(events.failed)["bad"], ChecksumError)
     receiver_end.allocator.free(events.ready["good"])
     assert receiver_end.all_free
+
+
+def _gloo_interface(_actor):
+    return os.environ.get(GLOO_INTERFACE_ENV)
+
+
+def test_rdt_members_run_gloo_on_the_interface_of_their_node_address(pair):
+    """Gloo's own choice is the address the hostname resolves to (127.0.0.1 in many /etc/hosts),
+    which no other host reaches: each member is pinned to the interface holding its Ray node
+    address before the group forms (tests/test_two_hosts.py crosses a real link)."""
+    assert interface_of("127.0.0.1") == "lo" and interface_of("192.0.2.255") is None
+    members = (pair.prefill, pair.decode)
+    assert ray.get([m.__ray_call__.remote(_gloo_interface) for m in members]) == ["lo", "lo"]

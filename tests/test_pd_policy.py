@@ -359,3 +359,41 @@ def _homes(directory) -> list[list[int]]:
     from runtime.cores import _live
 
     return list(_live(json.loads((directory / "homes.json").read_text())).values())
+
+
+def test_a_slow_link_sends_the_prompt_to_prefill_on_its_decode_worker():
+    """The remote path's time counts the KV handoff over the link between the two nodes: where the
+    prefill pool meets the TTFT target but shipping the KV would not, the decode worker prefills
+    (reason "link"), if its streams can wait; an unknown link costs nothing."""
+    auto = PDPolicyConfig(local_max_prompt_tokens=64)
+    prefill, idle = WorkerCosts(prefill_token_s=1 * MS), WorkerCosts(prefill_token_s=1 * MS)
+    # 0.512 s of prefill, then 0.2 s over the link: within 1 s, remote
+    assert decide(auto, 512, Side(0, 0, prefill, 0.2), Side(0, 0, idle), 1.0) == REMOTE
+    # 1.2 s over a slow link: the decode worker, 0.512 s, sooner and in time
+    slow = Side(0, 0, prefill, 1.2)
+    assert decide(auto, 512, slow, Side(0, 0, idle), 1.0) == Decision("local", "link")
+    # streams that cannot wait for the prompt keep it remote
+    tight = WorkerCosts(1 * MS, decode_step_s=0.030, decode_slack_s=0.3, interleave_tokens=256)
+    assert decide(auto, 512, slow, Side(0, 0, tight), 1.0) == REMOTE
+    assert decide(auto, 512, Side(0, 0, prefill), Side(0, 0, idle), 1.0) == REMOTE
+
+
+def test_links_learn_latency_and_bandwidth_from_handoffs():
+    from router.links import Links
+
+    links = Links()
+    assert links.transfer_s("a", "b", 10**6) == 0.0  # unknown: free until it shows otherwise
+    # 2 ms + bytes at 100 MB/s, handoffs of several sizes
+    for size in (1 << 20, 4 << 20, 12 << 20, 2 << 20):
+        links.observe("a", "b", size, 0.002 + size / 100e6)
+    estimate = links.estimate("a", "b")
+    assert estimate.handoffs == 4
+    assert estimate.latency_s == pytest.approx(0.002, rel=1e-6)
+    assert estimate.bandwidth_bytes_per_s == pytest.approx(100e6, rel=1e-6)
+    assert links.transfer_s("a", "b", 50_000_000) == pytest.approx(0.502, rel=1e-6)
+    assert links.estimate("b", "a") is None  # each direction is its own link
+    # sizes alike: the bandwidth from the sums
+    links.observe("c", "d", 1 << 20, 0.01)
+    assert links.estimate("c", "d").bandwidth_bytes_per_s == pytest.approx((1 << 20) / 0.01)
+    links.observe("c", "d", 0, 1.0)  # nothing shipped (every block reused): says nothing
+    assert links.estimate("c", "d").handoffs == 1
