@@ -257,6 +257,26 @@ def test_cli_profile_simulate_plan_round_trip(tmp_path, capsys):
     assert main(["plan", *common, "--slo", "ttft:1,tpot:500", *shapes]) == 1
     best = json.loads(capsys.readouterr().out)
     assert best["shape"] in ("colo1@1", "1p1d@1") and not best["meets_attainment_target"]
+    # the pools on two hosts over a 10 Mbit/s link: each handoff (128 tokens' KV) waits for the
+    # wire between the first token and the second
+    slow = ["--rate", "1", "--shape", "1p1d@1/remote", "--link", "10mbit,1ms"]
+    assert main(["simulate", *common, *slow]) == 0
+    linked = json.loads(capsys.readouterr().out)
+    assert main(["simulate", *common, *slow[:-2]]) == 0
+    one_host = json.loads(capsys.readouterr().out)
+    kv_wire_s = 128 * profile.kv_bytes_per_token * 8 / 10e6
+    assert linked["tpot_ms"]["p50"] > one_host["tpot_ms"]["p50"] + 0.5 * kv_wire_s / 15 * 1e3
     # the quick profile has no ray handoff
     assert main(["simulate", "--profile", profile_path, "--rate", "1"]) == 2
     assert "no KV handoff for transport 'ray'" in capsys.readouterr().err
+
+
+def test_a_link_parses_from_its_rate_and_round_trip():
+    from pdserve.planner.shape import Link
+
+    assert Link.parse("1gbit,0.5ms") == Link(1e9, 0.0005)
+    assert Link.parse("100mbit") == Link(1e8, 0.0)
+    assert Link.parse("10Gbit, 20us").wire_s(1_250_000) == pytest.approx(0.001 + 20e-6)
+    for bad in ("fast", "1gb,1ms", "0gbit"):
+        with pytest.raises(ValueError, match="--link"):
+            Link.parse(bad)

@@ -107,6 +107,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="the KV transport, as profiled (--quick profiles: inproc)",
     )
     p.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE[,RTT]",
+        help="the prefill and decode pools on two hosts over this link, e.g. 1gbit,0.5ms "
+        "(default: one host, as profiled)",
+    )
+    p.add_argument(
         "--node-cores",
         type=int,
         default=None,
@@ -180,7 +187,7 @@ def _inputs(args: argparse.Namespace):
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from pdserve.planner.shape import SystemShape
+    from pdserve.planner.shape import Link, SystemShape
     from pdserve.planner.simulator import simulate
 
     profile, workload, slo = _inputs(args)
@@ -188,6 +195,7 @@ def _simulate(args: argparse.Namespace) -> int:
     shape = SystemShape.parse(
         args.shape,
         transport=args.transport,
+        link=Link.parse(args.link) if args.link else None,
         lend_cores=not args.no_lend_cores,
         decode_interleave_tokens=args.decode_interleave_tokens or None,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -203,7 +211,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from pdserve.planner.search import SearchSpace, best_of, cheapest, highest_rate
-    from pdserve.planner.shape import SystemShape
+    from pdserve.planner.shape import Link, SystemShape
 
     profile, workload, slo = _inputs(args)
     space = SearchSpace(
@@ -212,6 +220,7 @@ def _plan(args: argparse.Namespace) -> int:
         transport=args.transport,
         lend_cores=not args.no_lend_cores,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        link=Link.parse(args.link) if args.link else None,
     )
     # a transport the profile lacks: one clear error before searching
     profile.handoff_s(1, args.transport)
@@ -240,6 +249,7 @@ def _plan(args: argparse.Namespace) -> int:
             transport=args.transport,
             lend_cores=not args.no_lend_cores,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            link=space.link,
         )
         shapes = [SystemShape.parse(text, **settings) for text in args.shapes.split(",")]
         plan = best_of(profile, workload, slo, args.rate, shapes, args.node_cores, log=log)

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from pdserve.planner.profile import Profile
 from pdserve.planner.report import Report
-from pdserve.planner.shape import SystemShape
+from pdserve.planner.shape import Link, SystemShape
 from pdserve.planner.simulator import simulate
 from pdserve.planner.workload import Workload
 from router.slo import SLO
@@ -34,6 +34,7 @@ class SearchSpace:
     transport: str = "ray"
     lend_cores: bool = True  # CPUs; GPUs lend nothing
     max_num_batched_tokens: int = 2048
+    link: Optional[Link] = None  # between the pools' nodes (`--link`); None: one host
 
     def shapes(self, max_cpus: Optional[float] = None) -> list[SystemShape]:
         """Every shape of the space (within `max_cpus`), cheapest first."""
@@ -61,6 +62,7 @@ class SearchSpace:
             transport=self.transport,
             lend_cores=self.lend_cores,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            link=self.link,
         )
 
 

@@ -18,6 +18,35 @@ MODES = ("disaggregated", "colocated")
 _TEXT = re.compile(r"^(?:(\d+)p(\d+)d|colo(\d+))(?:@([0-9.]+))?(?:/(\w+))?$")
 
 
+_RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_LINK = re.compile(r"^\s*([0-9.]+)\s*(kbit|mbit|gbit)\s*(?:,\s*([0-9.]+)\s*(us|ms|s))?\s*$")
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass(frozen=True)
+class Link:
+    """The network between the prefill and the decode pool's nodes (`--link 1gbit,0.5ms`): a
+    handoff costs the profiled one (the transport's own work, on one host) plus its bytes at this
+    rate plus the round trip. None: both pools on the profiled host."""
+
+    rate_bits_per_s: float
+    rtt_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> "Link":
+        match = _LINK.match(text.lower())
+        if match is None:
+            raise ValueError(f"--link {text!r}: expected a rate and a round trip, e.g. 1gbit,0.5ms")
+        rate, unit, rtt, rtt_unit = match.groups()
+        link = cls(float(rate) * _RATE_UNITS[unit], float(rtt or 0) * _TIME_UNITS[rtt_unit or "s"])
+        if not link.rate_bits_per_s > 0:
+            raise ValueError(f"--link {text!r}: the rate must be positive")
+        return link
+
+    def wire_s(self, kv_bytes: int) -> float:
+        return kv_bytes * 8 / self.rate_bits_per_s + self.rtt_s
+
+
 @dataclass(frozen=True)
 class SystemShape:
     mode: str = "disaggregated"
@@ -37,6 +66,7 @@ class SystemShape:
     lend_cores: bool = True  # idle cores, and decode cores within TPOT slack (runtime/cores.py)
     transport: str = "ray"
     max_num_batched_tokens: int = 2048
+    link: Optional[Link] = None  # between the pools' nodes; None: one host
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

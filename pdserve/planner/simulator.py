@@ -197,7 +197,12 @@ class Simulation(CoreModel):
             path = decide(
                 self.shape.pd,
                 tokens,
-                Side(remote.worker.queued_prompt_tokens, remote.cached_tokens, self._costs(remote)),
+                Side(
+                    remote.worker.queued_prompt_tokens,
+                    remote.cached_tokens,
+                    self._costs(remote),
+                    self._link_s(tokens - local.cached_tokens),
+                ),
                 Side(local.worker.queued_prompt_tokens, local.cached_tokens, self._costs(local)),
                 self.slo.ttft_s,
             ).path
@@ -362,9 +367,25 @@ class Simulation(CoreModel):
             [stream.decode_worker.handle.worker_id],
         ).get(stream.decode_worker.handle.worker_id, 0)
         blocks = -(-stream.request.prompt_tokens // BLOCK_SIZE_TOKENS) - held
-        return self.profile.handoff_s(
-            blocks * BLOCK_SIZE_TOKENS * self.profile.kv_bytes_per_token, self.shape.transport
+        return self._kv_bytes_handoff_s(
+            blocks * BLOCK_SIZE_TOKENS * self.profile.kv_bytes_per_token
         )
+
+    def _link_s(self, tokens: int) -> float:
+        """What the router would predict for this prompt's handoff: nothing on one host (its links
+        show what handoffs cost there only once measured), the wire where `--link` says."""
+        if self.shape.link is None:
+            return 0.0
+        blocks = -(-max(0, tokens) // BLOCK_SIZE_TOKENS)
+        return self._kv_bytes_handoff_s(
+            blocks * BLOCK_SIZE_TOKENS * self.profile.kv_bytes_per_token
+        )
+
+    def _kv_bytes_handoff_s(self, kv_bytes: int) -> float:
+        """The profiled handoff, plus the wire where the pools sit on two hosts (`--link`)."""
+        link = self.shape.link
+        wire_s = link.wire_s(kv_bytes) if link is not None else 0.0
+        return self.profile.handoff_s(kv_bytes, self.shape.transport) + wire_s
 
     def _kv_ready(self, stream: _Stream) -> None:
         worker = stream.decode_worker
