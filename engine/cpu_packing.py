@@ -6,8 +6,8 @@
   (lm_head at batch 1: 3.2 -> 1.8 ms) and is bit-identical to `F.linear` in bf16.
 - fp32: the weight transposed (`[in, out]`, contiguous) and multiplied as `x @ weight_t`. For 3-15
   rows (decode steps) MKL takes a kernel for that layout that reads a model's weights 1.4-1.7x as
-  fast as `F.linear`'s on an AVX-512 core (docs/benchmarks.md); from 16 rows on (prefill) both
-  layouts run the same kernel, bit-identical. Below 16 rows the sums' order differs from
+  fast as `F.linear`'s on an AVX-512 core (docs/benchmarks-archive.md); from 16 rows on (prefill)
+  both layouts run the same kernel, bit-identical. Below 16 rows the sums' order differs from
   `F.linear`'s in the last bits, which greedy decoding does not see (the HF comparisons in tests/
   hold).
 - bf16 on AVX512-BF16 cores: engine/csrc/decode_linear_bf16.c (`vdpbf16ps`) on the weight laid
@@ -15,15 +15,16 @@
   a model's linears take 10.5 against oneDNN's 20.4 ms at 1 row, 16.8 against 23.2 at 8, 45.5
   against 52.1 at 32 and 486 against 515 at 512 (a prefill chunk), so where the core has no AMX
   tiles the kernel serves every batch and no oneDNN copy is kept (`benchmarks/
-  decode_linear_bench.py --dtype bfloat16`, docs/benchmarks.md). Where AMX is (not measured),
-  oneDNN's packed weight serves batches from `AMX_KERNEL_MAX_ROWS` rows, prefill chunks among them,
-  and the kernel the decode batches under it. Either way the kernel's rows are batch-invariant.
+  decode_linear_bench.py --dtype bfloat16`, docs/benchmarks-archive.md). Where AMX is (not
+  measured), oneDNN's packed weight serves batches from `AMX_KERNEL_MAX_ROWS` rows, prefill chunks
+  among them, and the kernel the decode batches under it. Either way the kernel's rows are
+  batch-invariant.
 - fp32 on an AVX2-only core (no AVX-512): MKL's and oneDNN's kernels for 2-16 rows ran at a third to
   two thirds of the core's memory speed there. Decode batches of 1 to `DECODE_KERNEL_MAX_ROWS` - 1
   rows run engine/csrc/decode_linear.c on a second copy of each weight laid out in panels of 16
   outputs (`decode_panels`): a model's linears at 4 rows take 37 against 47 ms (oneDNN) and 78 ms
   (MKL) on one thread, at 1 row they read at memory speed as MKL's gemv does
-  (`benchmarks/decode_linear_bench.py`, docs/benchmarks.md).
+  (`benchmarks/decode_linear_bench.py`, docs/benchmarks-archive.md).
   Each output is one chain of fused multiply-adds in k order whatever the batch, so a row's result
   does not depend on the rows beside it. Prefill chunks of 64 rows or more keep MKL on the
   transposed weight, bit-identical to `F.linear`. The panels are plain tensors: the disk cache keeps

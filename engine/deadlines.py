@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 # A late prompt waits behind prompts that can still make their deadlines until it is this many of
-# its TTFT budgets past its own deadline (measured: 0.5 against 1, docs/benchmarks.md)
+# its TTFT budgets past its own deadline (measured: 0.5 against 1, docs/benchmarks-archive.md)
 OVERDUE_BUDGETS = 0.5
 
 
@@ -29,8 +29,8 @@ def deadline_order(queued: list[Queued], now_s: float, token_s: float) -> list[A
     and computing it first would make the prompts behind it miss theirs too (under overload, first
     come first served has every prompt miss). Overdue ones bound that wait, and with it the TTFT
     tail (AVX2 EPYC, 0.5 req/s, 4 s budgets: p99 26.6 s unbounded, 16.5 bounded at a whole budget
-    past the deadline, 12.4 at half, 14.4 first come first served; docs/benchmarks.md). Without
-    deadlines: the order given."""
+    past the deadline, 12.4 at half, 14.4 first come first served; docs/benchmarks-archive.md).
+    Without deadlines: the order given."""
     if all(entry.deadline_s is None for entry in queued):
         return [entry.item for entry in queued]
     begun, overdue, rest = [], [], []

@@ -2,7 +2,7 @@
 (engine/csrc/elementwise.c): RMSNorm with the residual add before it, SiLU(gate) * up, and the
 rotary embedding of q and k. torch's bf16 CPU kernels for these take 2.1 ms of every layer of a
 512-token prompt on one core, its fp32 ones ~2.5 ms (5 % of the prefill on an AVX2 core; the fused
-ones save 2-4 % of a fp32 prefill or decode step there: docs/benchmarks.md).
+ones save 2-4 % of a fp32 prefill or decode step there: docs/benchmarks-archive.md).
 
 Built and loaded like the paged decode-attention kernel (engine/paged_attention.py), with the same
 switch (`PDSERVE_DISABLE_KERNELS=1`) and the same fallback: where it is unavailable, or for any

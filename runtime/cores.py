@@ -69,7 +69,7 @@ MIN_PAUSE_S = 0.005
 @dataclass(frozen=True)
 class CorePolicy:
     """`lend`: which steps may borrow idle cores: `all` (the default: decode steps too, measured
-    faster in docs/benchmarks.md), `prefill` (only steps that compute prompt tokens), `off`.
+    faster in docs/benchmarks-archive.md), `prefill` (only steps that compute prompt tokens), `off`.
     `directory`: where the node's workers keep their locks (None:
     `/dev/shm/pdserve-cores-<uid>`)."""
 
@@ -89,7 +89,7 @@ class CorePolicy:
     ask_wait_s: float = 0.005
     # A stream lends while it is expected to end within this share of the budget: the rest is the
     # margin for pauses yet to come and for noise (at 0.9, TPOT p50 rose to 45 ms of 50 and a fifth
-    # of the requests missed it; docs/benchmarks.md)
+    # of the requests missed it; docs/benchmarks-archive.md)
     tpot_share: float = 0.75
 
     def __post_init__(self) -> None:

@@ -3,14 +3,14 @@
  * A decode step multiplies a few rows (its batch) by every weight of the model, so its linears read
  * the weights once and do little arithmetic on each: they should run at memory speed. On an AVX2
  * EPYC core MKL's fp32 kernels for 2-16 rows ran at a third to half of it, oneDNN's at two thirds
- * (docs/benchmarks.md). Here the weight is laid out in panels of 16 outputs, `[n / 16][k][16]`
- * (`cpu_packing.decode_panels`), so that a panel is one sequential stream. A tile of up to 6 rows x
- * 16 outputs lives in twelve registers while a span of the panel streams through it, each k one
- * 64-byte line of the weight and six broadcast inputs; the batch's other tiles take the same span
- * while it is in L1, so the weight leaves memory once per step, and the first tile prefetches the
- * lines ahead so that memory keeps streaming while the others compute. On the AVX2 EPYC a model's
- * linears at 8 / 12 rows took 44 / 47 ms this way against 63-68 / 67-74 walking each tile over the
- * whole panel (1 row: 36-38 ms either way; docs/benchmarks.md).
+ * (docs/benchmarks-archive.md). Here the weight is laid out in panels of 16 outputs,
+ * `[n / 16][k][16]` (`cpu_packing.decode_panels`), so that a panel is one sequential stream. A tile
+ * of up to 6 rows x 16 outputs lives in twelve registers while a span of the panel streams through
+ * it, each k one 64-byte line of the weight and six broadcast inputs; the batch's other tiles take
+ * the same span while it is in L1, so the weight leaves memory once per step, and the first tile
+ * prefetches the lines ahead so that memory keeps streaming while the others compute. On the AVX2
+ * EPYC a model's linears at 8 / 12 rows took 44 / 47 ms this way against 63-68 / 67-74 walking each
+ * tile over the whole panel (1 row: 36-38 ms either way; docs/benchmarks-archive.md).
  *
  * Every output element is one chain of fused multiply-adds in k order, whatever the batch and the
  * tile it falls in: a row's result does not depend on the rows beside it (batch-invariant), and one

@@ -10,9 +10,9 @@
  * memory once per step.
  *
  * How many panels a tile spans goes by the batch (measured on an AMD EPYC AVX512-BF16 core,
- * docs/benchmarks.md): up to `NARROW_MAX_ROWS` rows the step is memory-bound and one panel at a
- * time streams fastest; from there on each broadcast input feeds three panels (24 accumulators),
- * which keeps `vdpbf16ps` busy where one panel's tile waited on its broadcasts.
+ * docs/benchmarks-archive.md): up to `NARROW_MAX_ROWS` rows the step is memory-bound and one panel
+ * at a time streams fastest; from there on each broadcast input feeds three panels (24
+ * accumulators), which keeps `vdpbf16ps` busy where one panel's tile waited on its broadcasts.
  *
  * Every output element is one chain of `vdpbf16ps` in k order, whatever the batch and the tile it
  * falls in: a row's result does not depend on the rows beside it (batch-invariant).

@@ -33,8 +33,8 @@ static inline uint16_t float_to_bf16(float f) {
 #undef NAME
 
 /* fp32, for CPUs without native bf16: torch's fp32 kernels for these take ~2.5 ms of each layer of a
- * 512-token prompt on an AVX2 core, these ~1.2 (docs/benchmarks.md). No rounding between the steps of
- * an op; the sums of squares run in another order than torch's. */
+ * 512-token prompt on an AVX2 core, these ~1.2 (docs/benchmarks-archive.md). No rounding between
+ * the steps of an op; the sums of squares run in another order than torch's. */
 #define ELEM float
 #define LOAD(e) (e)
 #define STORE(f) (f)

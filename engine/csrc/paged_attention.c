@@ -57,7 +57,7 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
  * issued all at once, its 192 lines (fp32, SmolLM2's heads) stalled on the core's miss buffers instead
  * of overlapping the arithmetic; a share at a time before each kv head, 1.05-1.37x faster over 30
  * layers' caches that miss every level (fp32 and bf16, one and two threads), and spread through the
- * loops 1.4-2.1x faster again on a Zen 1 EPYC (fp32; bf16 1.1-1.35x; docs/benchmarks.md):
+ * loops 1.4-2.1x faster again on a Zen 1 EPYC (fp32; bf16 1.1-1.35x; docs/benchmarks-archive.md):
  *   scores: 4 tokens x 3 heads in 12 accumulator registers, reduced four at a time by hadd;
  *   V:      16 output lanes x 3 heads in 6 registers over a block's tokens.
  * bf16 rows are widened to fp32 once per block. The order of the sums differs from the plain loops,
@@ -107,8 +107,9 @@ INLINE void prefetch_block(const void *block, int64_t bytes) {
 /* The lines of the next block's share still to prefetch, issued a few at a time through the inner
  * loops of this block's arithmetic: on a Zen 1 EPYC a kv head's share (64 lines, fp32) issued at once
  * before its arithmetic stalled on the miss buffers; spread, 30 layers of 8 sequences of 540 tokens
- * (fp32, one thread) took 27-35 against 45-52 ms (docs/benchmarks.md). Two blocks ahead, into L2, or
- * one line per K step (the rest at the end) were no faster; four K and two V lines per step slower. */
+ * (fp32, one thread) took 27-35 against 45-52 ms (docs/benchmarks-archive.md). Two blocks ahead,
+ * into L2, or one line per K step (the rest at the end) were no faster; four K and two V lines per
+ * step slower. */
 typedef struct { const char *at, *end; } Lines;
 
 INLINE Lines lines_of(const char *share, int64_t bytes) {
