@@ -7,6 +7,7 @@ worker (--pd-policy local) against the prefill worker (remote) all give the unfa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -19,6 +20,7 @@ from engine.deterministic import DeterminismUnavailable, require
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.weights import load_model
+from router.pd_policy import PDPolicyConfig
 
 TEXTS = [
     "Tell me a very short story about a cat who learns to fly.",
@@ -205,12 +207,12 @@ def test_served_bf16_streams_survive_a_sigkill_a_rerun_and_local_prefill_identic
         assert [s.result() for s in faulted] == reference
         assert remote.system.router.stats().migrations > migrations_before
         assert _streams(remote, "lone", TEXTS[:1])[0].result() == reference[0]
-    finally:
-        remote.stop()
-    local = harness.start(pd_policy="local", num_decode=1, **common)
-    try:
-        streams = _streams(local, "local")
+        # the same system prefilling on its decode workers (the router's policy swapped between
+        # requests): a local prefill gives the remote one's tokens
+        router = remote.system.router
+        router.config = dataclasses.replace(router.config, pd=PDPolicyConfig("local"))
+        streams = _streams(remote, "local")
         assert [s.result() for s in streams] == reference
         assert not any(s.prefill_worker for s in streams)  # prefilled on the decode worker
     finally:
-        local.stop()
+        remote.stop()
