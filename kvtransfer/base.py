@@ -5,14 +5,17 @@ A handoff moves one request's KV blocks, whole or as layer groups, from a sender
 blocks the receiver reserved for it. Ownership is explicit at every step:
 
 Sender (prefill worker)
-    start(request_id, block_ids, destination, lease_s)
+    start(request_id, block_ids, destination, lease_s, wire)
         The sender takes over the caller's references to `block_ids`; it gives them back to its
-        allocator exactly once: on acknowledgement, on abort, or when the lease expires.
+        allocator exactly once: on acknowledgement, on abort, or when the lease expires. `wire` is
+        the request's wire mode (kvtransfer/codecs.py): each group is encoded before it leaves, and
+        decoded into the receiver's cache dtype where it lands.
     send_layers(request_id, layers) -> Optional[KVDelivery]
         Ships layers as soon as they are computed (or all of them at once). The payload is copied
-        out of the cache before this returns, so the cache may be written again. A returned delivery
-        (ray) is a small message the caller routes to the receiver's `deliver` (in serving: the
-        prefill worker, straight to the decode worker); None means it went in-band.
+        out of the cache (and encoded) before this returns, so the cache may be written again. A
+        returned delivery (ray) is a small message the caller routes to the receiver's `deliver`
+        (in serving: the prefill worker, straight to the decode worker); None means it went
+        in-band.
     acknowledge(request_id)     the receiver installed everything: blocks are freed.
     abort(request_id)           blocks freed now; the receiver learns in-band (grpc) or through the
                                 caller, who calls the receiver's `abort` (ray).
@@ -47,11 +50,13 @@ import torch
 
 from engine.block_manager import BlockAllocator
 from engine.kv_cache import KVLayout, PagedKVCache
+from kvtransfer import codecs
 from kvtransfer.buffers import BufferPool
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import HeldRequest, SenderEvents, SenderLedger
 from kvtransfer.reservations import ReceiverEvents, Reservations
 from kvtransfer.wire import KVGroupHeader, as_bytes_view, checksum, group_payload_bytes
+from protocol.kv_wire import WIRE_MODES
 
 KVDelivery = Any  # a transport's routed message (ray: `RayKVDelivery`); opaque to the caller
 
@@ -80,7 +85,27 @@ class KVSender(ABC):
         block_ids: Sequence[int],
         destination: Optional[str] = None,
         lease_s: float = DEFAULT_LEASE_S,
+        wire: str = "none",
     ) -> None: ...
+
+    def _hold(
+        self, request_id: str, block_ids: Sequence[int], lease_s: float, wire: str
+    ) -> HeldRequest:
+        """The ledger's hold of a started request, under the wire mode this transport can send."""
+        if wire not in WIRE_MODES:
+            raise ValueError(f"wire mode must be one of {', '.join(WIRE_MODES)}, got {wire!r}")
+        return self.ledger.hold(request_id, list(block_ids), lease_s, self._usable_wire(wire))
+
+    def _usable_wire(self, wire: str) -> str:
+        """`wire`, or what this transport sends instead (rdt on a GPU: no lossless, which needs
+        the host)."""
+        return wire
+
+    def wire_sent(self, request_id: str) -> tuple[str, int]:
+        """(the wire modes its groups went in, "+"-joined; the bytes on the wire) of a request sent
+        so far."""
+        held = self.ledger.get(request_id)
+        return "+".join(sorted(held.wire_modes)) or held.wire, held.wire_bytes
 
     @abstractmethod
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> Optional[KVDelivery]: ...
@@ -112,9 +137,10 @@ class KVSender(ABC):
         staging: Optional[BufferPool] = None,
         checksum_of: Optional[Callable[[torch.Tensor], int]] = None,
     ) -> tuple[KVGroupHeader, torch.Tensor, torch.Tensor]:
-        """Copy a layer group into a staging buffer (of `staging`, else the host pool) and take its
-        checksum (`checksum_of`, else the transport's); returns (header, exported tensor, the
-        buffer to release once the payload has been shipped)."""
+        """Copy a layer group into a staging buffer (of `staging`, else the host pool), encode it in
+        the request's wire mode and take the checksum of the wire bytes (`checksum_of`, else the
+        transport's); returns (header, what to ship: the exported tensor or its flat uint8 wire
+        bytes, the buffer to release once the payload has been shipped)."""
         start, stop, step = layers.indices(self.layout.num_layers)
         if step != 1 or start >= stop:
             raise ValueError(f"layers must be a non-empty contiguous range, got {layers}")
@@ -127,6 +153,11 @@ class KVSender(ABC):
         num_bytes = group_payload_bytes(self.layout, stop - start, len(held.block_ids))
         buffer = (staging or self._staging).acquire(num_bytes)
         data = self.cache.export_blocks(held.block_ids, slice(start, stop), out=buffer)
+        mode, wire = codecs.encode(data, held.wire)
+        if mode != "none":
+            data = wire
+        held.wire_modes.add(mode)
+        held.wire_bytes += wire.numel()
         header = KVGroupHeader(
             held.request_id,
             self.sender_id,
@@ -135,8 +166,9 @@ class KVSender(ABC):
             start,
             stop,
             len(held.block_ids),
-            num_bytes,
+            wire.numel(),
             (checksum_of or self._checksum)(data),
+            wire=mode,
         )
         return header, data, buffer
 

@@ -106,10 +106,11 @@ class GrpcKVSender(KVSender):
         block_ids: Sequence[int],
         destination: Optional[str] = None,
         lease_s: float = DEFAULT_LEASE_S,
+        wire: str = "none",
     ) -> None:
         if not destination:
             raise ValueError("the grpc transport needs the receiver's host:port as destination")
-        held = self.ledger.hold(request_id, list(block_ids), lease_s)
+        held = self._hold(request_id, block_ids, lease_s, wire)
         stream = _OutgoingStream(request_id, destination, queue.Queue())
         held.transport_state = stream
         stream.call = (

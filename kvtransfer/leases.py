@@ -24,6 +24,11 @@ class HeldRequest:
     block_ids: list[int]
     lease_deadline_s: float
     layers_sent: set[int] = field(default_factory=set)
+    wire: str = "none"  # the wire mode asked for (kvtransfer/codecs.py)
+    # what went on the wire so far: its bytes, and the modes its groups used (a lossless group that
+    # did not shrink goes as none)
+    wire_bytes: int = 0
+    wire_modes: set[str] = field(default_factory=set)
     # the transport's (ray: its ObjectRefs or shared device buffers; grpc: the open stream);
     # dropped with the blocks
     transport_state: Any = None
@@ -45,10 +50,12 @@ class SenderLedger:
         self._notes_lock = threading.Lock()
         self._notes: list[tuple[str, Optional[KVTransferError]]] = []
 
-    def hold(self, request_id: str, block_ids: list[int], lease_s: float) -> HeldRequest:
+    def hold(
+        self, request_id: str, block_ids: list[int], lease_s: float, wire: str = "none"
+    ) -> HeldRequest:
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} is already being sent")
-        held = HeldRequest(request_id, list(block_ids), self.clock() + lease_s)
+        held = HeldRequest(request_id, list(block_ids), self.clock() + lease_s, wire=wire)
         self._held[request_id] = held
         return held
 

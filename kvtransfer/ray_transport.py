@@ -64,9 +64,11 @@ class RayKVSender(KVSender):
         block_ids: Sequence[int],
         destination: Optional[str] = None,
         lease_s: float = DEFAULT_LEASE_S,
+        wire: str = "none",
     ) -> None:
         on_device = self._ipc_address is not None and destination == self._ipc_address
-        held = self.ledger.hold(request_id, list(block_ids), lease_s)
+        # on one GPU nothing crosses a wire: the group is shared where it lies, as it is
+        held = self._hold(request_id, block_ids, lease_s, "none" if on_device else wire)
         held.transport_state = _RayTransfer(on_device)
 
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> RayKVDelivery:

@@ -227,16 +227,21 @@ class RdtKVSender(KVSender):
         block_ids: Sequence[int],
         destination: Optional[str] = None,
         lease_s: float = DEFAULT_LEASE_S,
+        wire: str = "none",
     ) -> None:
         # its staging buffers
-        self.ledger.hold(request_id, list(block_ids), lease_s).transport_state = []
+        self._hold(request_id, block_ids, lease_s, wire).transport_state = []
+
+    def _usable_wire(self, wire: str) -> str:
+        # a group staged on a GPU leaves from there (nccl): lossless would need the host
+        return "none" if wire == "lossless" and self.cache.kv.device.type != "cpu" else wire
 
     def send_layers(self, request_id: str, layers: slice = slice(None)) -> RdtKVDelivery:
         held = self.ledger.get(request_id)
-        header, _, buffer = self._export(held, layers)
+        header, data, buffer = self._export(held, layers)
         held.transport_state.append(buffer)  # back to the pool with the blocks
-        with self._staged_lock:
-            self._staged[(request_id, header.layer_start)] = buffer[: header.payload_bytes]
+        with self._staged_lock:  # the buffer's head, or the group's encoding
+            self._staged[(request_id, header.layer_start)] = data.reshape(-1).view(torch.uint8)
         if self._actor is None:
             self._actor = _current_actor()
         return RdtKVDelivery(header.encode(), self._actor, self.key)

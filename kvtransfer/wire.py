@@ -1,14 +1,15 @@
-"""The KV wire format, version 2: a msgpack header followed by the raw payload bytes.
+"""The KV wire format, version 3: a msgpack header followed by the payload bytes.
 
 One message carries one *layer group* of one request: layers `[layer_start, layer_stop)` of all its
 blocks, exported by `PagedKVCache.export_blocks` as a contiguous
-`[layers, 2, num_blocks, block_size_tokens, kv_heads, head_dim]` tensor, shipped as its bytes.
+`[layers, 2, num_blocks, block_size_tokens, kv_heads, head_dim]` tensor, shipped as its bytes or
+encoded by the request's wire mode (`wire`: none, lossless, fp8, int8; kvtransfer/codecs.py).
 The header carries the format version, the handoff identity (request id, sender id and epoch), the
-layout fingerprint (the `KVLayout` fields), the layer range, the block count, the payload length and
-an XXH3-64 checksum of the payload (v1 used CRC-32: 4 GB/s here, XXH3 30 GB/s; `rdt` on device
-memory puts its on-device checksum there, kvtransfer/rdt_transport.py). A receiver checks version
-and layout on the first message it reads and fails with a typed error; nothing received is ever
-unpickled.
+layout fingerprint (the `KVLayout` fields), the layer range, the block count, the wire mode, the
+payload length (the bytes on the wire) and an XXH3-64 checksum of those bytes (v1 used CRC-32:
+4 GB/s here, XXH3 30 GB/s; `rdt` on device memory puts its on-device checksum there,
+kvtransfer/rdt_transport.py). v2 had no wire mode. A receiver checks version, layout and wire mode
+on the first message it reads and fails with a typed error; nothing received is ever unpickled.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import torch
 import xxhash
 
 from engine.kv_cache import KVLayout
+from kvtransfer import codecs
 from kvtransfer.errors import LayoutMismatchError, WireFormatError, WireVersionError
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 _MAX_HEADER_BYTES = 4096
 _LAYOUT_FIELDS = tuple(field.name for field in dataclasses.fields(KVLayout))
 _LAYOUT_TYPES = (int, int, int, int, str)  # KVLayout's fields, in order
@@ -43,7 +45,8 @@ def group_payload_bytes(layout: KVLayout, num_layers: int, num_blocks: int) -> i
 
 @dataclass(frozen=True)
 class KVGroupHeader:
-    """The header of one layer group; `payload_bytes` raw bytes follow it."""
+    """The header of one layer group; `payload_bytes` bytes follow it, the group encoded as `wire`
+    says (kvtransfer/codecs.py)."""
 
     request_id: str
     sender_id: str
@@ -54,11 +57,17 @@ class KVGroupHeader:
     num_blocks: int
     payload_bytes: int
     checksum: int
+    wire: str = "none"
     version: int = WIRE_VERSION
 
     @property
     def layers(self) -> slice:
         return slice(self.layer_start, self.layer_stop)
+
+    @property
+    def raw_bytes(self) -> int:
+        """The group's size in the cache's own dtype (`payload_bytes` where `wire` is none)."""
+        return group_payload_bytes(self.layout, self.layer_stop - self.layer_start, self.num_blocks)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -73,6 +82,7 @@ class KVGroupHeader:
                 "num_blocks": self.num_blocks,
                 "payload_bytes": self.payload_bytes,
                 "checksum": self.checksum,
+                "wire": self.wire,
             }
         )
 
@@ -110,6 +120,7 @@ class KVGroupHeader:
                 num_blocks=_typed(fields, "num_blocks", int),
                 payload_bytes=_typed(fields, "payload_bytes", int),
                 checksum=_typed(fields, "checksum", int),
+                wire=_typed(fields, "wire", str),
             )
         except (KeyError, TypeError) as error:
             raise WireFormatError(f"malformed KV header: {error}", request_id) from None
@@ -124,6 +135,12 @@ class KVGroupHeader:
                 f"{', '.join(differing)}",
                 request_id,
             )
+        try:  # a mode this receiver does not decode is refused at the first message
+            codecs.codec(header.wire)
+        except WireFormatError as error:
+            raise WireFormatError(
+                f"sender {header.sender_id!r}: {error}", header.request_id
+            ) from None
         header.validate_shape()
         return header
 
@@ -138,13 +155,19 @@ class KVGroupHeader:
             raise WireFormatError(
                 f"num_blocks must be >= 1, got {self.num_blocks}", self.request_id
             )
-        expected = group_payload_bytes(
-            self.layout, self.layer_stop - self.layer_start, self.num_blocks
-        )
-        if self.payload_bytes != expected:
+        wire_codec = codecs.codec(self.wire)
+        num_layers = self.layer_stop - self.layer_start
+        if wire_codec is None:
+            expected = group_payload_bytes(self.layout, num_layers, self.num_blocks)
+            problem = None if self.payload_bytes == expected else f"{expected} bytes expected"
+        else:
+            problem = wire_codec.check_length(
+                self.payload_bytes, self.layout, num_layers, self.num_blocks
+            )
+        if problem is not None:
             raise WireFormatError(
-                f"payload_bytes {self.payload_bytes} != {expected} for "
-                f"{self.layer_stop - self.layer_start} layers x {self.num_blocks} blocks",
+                f"payload_bytes {self.payload_bytes} ({self.wire}) for {num_layers} layers x "
+                f"{self.num_blocks} blocks: {problem}",
                 self.request_id,
             )
 
@@ -183,7 +206,8 @@ def as_bytes_view(tensor: torch.Tensor) -> np.ndarray:
 
 
 def payload_as_kv(payload: Any, header: KVGroupHeader) -> torch.Tensor:
-    """View (no copy) a received payload buffer as the `[layers, 2, blocks, ...]` tensor it encodes.
+    """The `[layers, 2, blocks, ...]` tensor, in the layout's dtype, that a received (and verified)
+    payload buffer encodes: a view (no copy) where the wire mode is none, else decoded.
 
     The buffer may be read-only (a Ray object store mapping); the tensor is only ever read from. A
     uint8 tensor (rdt, on the device it arrived on) is viewed as it is.
@@ -196,6 +220,11 @@ def payload_as_kv(payload: Any, header: KVGroupHeader) -> torch.Tensor:
             # "non-writable array": we never write into it
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(flat)
+    wire_codec = codecs.codec(header.wire)
+    if wire_codec is not None:
+        return wire_codec.decode(
+            data, header.layout, header.layer_stop - header.layer_start, header.num_blocks
+        )
     layout = header.layout
     shape = (
         header.layer_stop - header.layer_start,

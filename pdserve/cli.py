@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from pdserve import node_supervisor
+
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -150,6 +152,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="address decode workers bind for their token stream to the router and "
         "their gRPC KV receiver; auto: 127.0.0.1 on a local node, each worker's node address on a "
         "cluster",
+    )
+    from router.kv_wire import KV_WIRE_CHOICES  # torch-free
+
+    p.add_argument(
+        "--kv-wire",
+        default="auto",
+        choices=KV_WIRE_CHOICES,
+        help="how a request's KV goes on the wire: none (the cache's bytes), lossless (byte "
+        "shuffle + zstd), fp8 or int8 (a scale per block and head; lossy, with --kv-wire-lossy "
+        "ok); auto: per request, the mode that delivers it sooner over the measured link",
+    )
+    p.add_argument(
+        "--kv-wire-lossy",
+        default="no",
+        choices=["no", "ok"],
+        help="ok: --kv-wire may use the lossy modes fp8 and int8 (auto among them)",
     )
     p.add_argument(
         "--cpus-per-worker",
@@ -337,6 +355,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         choices=["text", "json"],
         help="log lines as text or JSON lines (both carry the request id)",
     )
+    p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no line per HTTP request and gRPC call (method, path, status, latency, request and "
+        "trace ids) on the pdserve.access logger",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="export a trace per request by OTLP/gRPC to this collector (pip install "
+        "'pdserve[otel]'); default: no tracing",
+    )
     p.set_defaults(handler=_serve)
 
 
@@ -361,6 +393,8 @@ def _serve_config(args: argparse.Namespace, **overrides):
         kv_host=args.kv_host,
         kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
         pd_policy=args.pd_policy,
+        kv_wire=args.kv_wire,
+        kv_wire_lossy=args.kv_wire_lossy == "ok",
         prefill_order=args.prefill_order,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         routing=args.routing,
@@ -382,6 +416,8 @@ def _serve_config(args: argparse.Namespace, **overrides):
         stream_interval=args.stream_interval,
         lend_cores=args.lend_cores,
         slo=args.slo,
+        access_log=args.access_log,
+        otlp_endpoint=args.otlp_endpoint,
     )
     if (args.autoscale == "plan") != (args.autoscale_plan is not None):
         raise ValueError("--autoscale plan and --autoscale-plan FILE go together")
@@ -558,6 +594,8 @@ def _status(args: argparse.Namespace) -> int:
             f"{link.latency_s * 1e3:.2f} ms ({link.handoffs} KV handoffs; the last "
             f"{link.last_bytes} B in {link.last_s * 1e3:.1f} ms)"
         )
+    for line in stats.degraded:
+        print(f"  degraded: {line}")
     for line in stats.autoscaler_decisions:
         print(f"  autoscaler: {line}")
     return 0
@@ -630,6 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_demo,
         _add_bench,
         _add_planner,
+        node_supervisor.add_parser,
     ):
         add(sub)
     return parser

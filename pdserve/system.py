@@ -63,6 +63,10 @@ class ServeConfig:
     kv_cache_bytes: Optional[int] = None
     # a KV reservation's and a handoff lease's life (router.router.RouterConfig)
     kv_timeout_s: float = 30.0
+    # how a request's KV goes on the wire (router/kv_wire.py): auto (per request, the mode that
+    # delivers it sooner over the measured link), none, lossless, fp8, int8
+    kv_wire: str = "auto"
+    kv_wire_lossy: bool = False  # fp8 and int8 allowed (--kv-wire-lossy ok)
     block_size_tokens: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -72,7 +76,8 @@ class ServeConfig:
     decode_interleave_tokens: Optional[int] = 256
     # On a CPU, prompts share a prefill step up to this many tokens in all (engine.scheduler): a
     # step of 512 tokens keeps one core busy, so two prompts batched took as long as the two one
-    # after the other, and the first waited for both (docs/benchmarks.md); None: any that fit
+    # after the other, and the first waited for both (docs/benchmarks-archive.md); None: any that
+    # fit
     cpu_prefill_batch_tokens: Optional[int] = 256
     # where disaggregated requests prefill: auto, remote, local (router/pd_policy.py)
     pd_policy: str = "auto"
@@ -117,6 +122,10 @@ class ServeConfig:
     # within; "auto": ttft:1000,tpot:50 where the workers serve bf16, ttft:4000,tpot:100 for fp32
     # CPUs (router/slo.py)
     slo: str = DEFAULT_SLO
+    # one line per HTTP request and gRPC call on the `pdserve.access` logger (router/access_log.py)
+    access_log: bool = True
+    # export per-request traces by OTLP/gRPC to this collector (router/tracing.py); None: no tracing
+    otlp_endpoint: Optional[str] = None
 
     @property
     def worker_cpus(self) -> float:
@@ -144,6 +153,13 @@ class ServeConfig:
         from router.kv_index import RoutingConfig
 
         return RoutingConfig(self.routing, self.prefix_weight, self.decode_stream_tokens)
+
+    @property
+    def kv_wire_config(self):
+        """The router's `KVWireConfig` (how KV goes on the wire)."""
+        from router.kv_wire import KVWireConfig
+
+        return KVWireConfig(self.kv_wire, self.kv_wire_lossy)
 
     @property
     def slo_target(self) -> SLO:
@@ -191,6 +207,7 @@ class ServeConfig:
         self.pd  # checks the policy's fields
         self.core_policy
         self.routing_config
+        self.kv_wire_config
         self.slo_target
         if self.decode_interleave_tokens is not None and self.decode_interleave_tokens < 1:
             raise ValueError(
@@ -268,7 +285,7 @@ class ServeConfig:
 
 def _uvloop():
     """uvloop, where it is installed (the router's CPU per streamed token is about 13% lower on its
-    loop, docs/benchmarks.md); None elsewhere, and asyncio's own loop serves."""
+    loop, docs/benchmarks-archive.md); None elsewhere, and asyncio's own loop serves."""
     try:
         import uvloop
     except ImportError:
@@ -351,6 +368,7 @@ class System:
     autoscaler: Optional[object] = None  # router.pools.AutoscaleLoop
     http_runner: Optional[object] = None  # aiohttp AppRunner of the OpenAI-compatible server
     http_port: Optional[int] = None
+    tracer: Optional[object] = None  # router.tracing.RequestTracer: --otlp-endpoint
     ready: bool = False
 
     def ready_line(self) -> str:
@@ -402,7 +420,11 @@ class System:
         ]
         stats = self.router.stats()
         return Snapshot(
-            rows, stats.requests_in_flight, stats.requests_waiting_for_kv, self.router.links()
+            rows,
+            stats.requests_in_flight,
+            stats.requests_waiting_for_kv,
+            self.router.links(),
+            self.pools.degraded(),
         )
 
     async def stats(self):
@@ -426,6 +448,7 @@ class System:
             slo=str(router.config.slo),
             slo_met=stats.slo_met,
             slo_finished=stats.slo_finished,
+            degraded=[f"{pool}: {why}" for pool, why in sorted(self.pools.degraded().items())],
         )
         for (sender, receiver), link in sorted(router.links().items()):
             response.links.add(
@@ -466,6 +489,8 @@ class System:
         if self.server is not None:
             await self.server.stop(grace=2.0)
         self.pools.stop_all()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # exports the last spans
         gc.unfreeze()  # what start_system froze may be garbage now
 
 
@@ -523,6 +548,7 @@ async def start_system(config: ServeConfig) -> System:
             routing=config.routing_config,
             slo=config.slo_target,
             prefill_order=config.prefill_order,
+            kv_wire=config.kv_wire_config,
         ),
         tokenizer,
         WorkerPool("prefill"),
@@ -546,10 +572,16 @@ async def start_system(config: ServeConfig) -> System:
         model_context_tokens=infos[0].model_context_tokens,
     )
     system = System(config, router, None, 0, None, pools, limits)
-    servicer = GenerationServicer(router, limits, system.stats, pools.scale, config.credentials)
+    if config.otlp_endpoint is not None:
+        from router.tracing import start_tracing
+
+        system.tracer = start_tracing(config.otlp_endpoint)
+    servicer = GenerationServicer(
+        router, limits, system.stats, pools.scale, config.credentials, system.tracer
+    )
     try:
         system.server, system.port, system.health = await start_grpc_server(
-            servicer, config.host, config.port, config.tls
+            servicer, config.host, config.port, config.tls, config.access_log
         )
         if config.http_port is not None:
             system.http_runner, system.http_port = await start_http(system, limits)
@@ -584,6 +616,8 @@ async def start_http(system: System, limits):
         system.metrics_snapshot,
         system.pools.scale,
         lambda: system.ready,
+        config.access_log,
+        system.tracer,
     )
     return await start_http_server(
         frontend, config.host, config.http_port, _ssl_context(config.tls)

@@ -43,6 +43,8 @@ class RayWorkerFactory:
         self.epoch = epoch
         self.engine_config = config.engine_config()
         self._next_index = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._node_types_seen: set[str] = set()  # node-type resources some node offered once
+        self._displaced: set[str] = set()  # ids of workers started off their node type
 
     def _actor_options(self, role: str) -> dict:
         import ray
@@ -61,8 +63,20 @@ class RayWorkerFactory:
             options["num_gpus"] = 1
         resource = NODE_RESOURCE[role]
         if resource in ray.cluster_resources():
+            self._node_types_seen.add(resource)
             options["resources"] = {resource: _RESOURCE_PER_WORKER}
         return options
+
+    def node_type_missing(self, role: str) -> bool:
+        """Whether the cluster had nodes of this role's type and has no live one now."""
+        import ray
+
+        resource = NODE_RESOURCE[role]
+        return resource in self._node_types_seen and resource not in ray.cluster_resources()
+
+    def is_displaced(self, worker_id: str) -> bool:
+        """Whether the worker was started off its node type, none being alive then."""
+        return worker_id in self._displaced
 
     async def start(self, role: str, count: int) -> list:
         import ray
@@ -74,10 +88,16 @@ class RayWorkerFactory:
         # a local node never grows: a pending actor would wait forever
         if self.config.address == "local":
             self._check_room(role, count, options)
+        displaced = "resources" not in options and self.node_type_missing(role)
         actors = []
         for _ in range(count):
             worker_id = f"{role}-{self._next_index[role]}"
             self._next_index[role] += 1
+            if displaced:
+                self._displaced.add(worker_id)
+                log.warning(
+                    "%s: no live node offers %s: placed anywhere", worker_id, NODE_RESOURCE[role]
+                )
             if role == "prefill":
                 actor = (
                     self._actor_class(PrefillWorker)

@@ -179,6 +179,7 @@ class PrefillWorker(ParkingEndpoints):
         now = time.monotonic()
         prefill_s = self.loop.last_step_s
         kv_bytes, admission, sent_wall_s = 0, None, time.time()
+        kv_wire, kv_wire_bytes = "none", 0
         if output.handed_off:
             blocks = self.engine.detach_kv(output.request_id)
             skip = min(request.skip_blocks if request is not None else 0, len(blocks) - 1)
@@ -187,8 +188,10 @@ class PrefillWorker(ParkingEndpoints):
             blocks = blocks[skip:]
             kv_bytes = len(blocks) * self.engine.layout.bytes_per_block
             destination = request.destination if request is not None else None
-            self.sender.start(output.request_id, blocks, destination, self.kv_lease_s)
+            wire = request.kv_wire if request is not None else "none"
+            self.sender.start(output.request_id, blocks, destination, self.kv_lease_s, wire)
             delivery = self.sender.send_layers(output.request_id)
+            kv_wire, kv_wire_bytes = self.sender.wire_sent(output.request_id)
             if request is not None:
                 admission = AdmitRequest(
                     output.request_id,
@@ -213,5 +216,7 @@ class PrefillWorker(ParkingEndpoints):
             if output.prompt_logprobs is not None
             else None,
             costs=self.loop.costs,
+            kv_wire=kv_wire,
+            kv_wire_bytes=kv_wire_bytes,
         )
         return _Prefilled(result, admission)

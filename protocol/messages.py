@@ -50,6 +50,10 @@ class PrefillResult:
     first_token_logprobs: Optional[tuple] = None
     prompt_logprobs: Optional[tuple] = None
     costs: WorkerCosts = WorkerCosts()  # the prefill worker's, at this result
+    # the wire mode its KV groups went in ("+"-joined if they differ: a lossless group that did not
+    # shrink goes as none), and the bytes on the wire (`kv_bytes` is the KV's own size)
+    kv_wire: str = "none"
+    kv_wire_bytes: int = 0
 
 
 def kernels_line(kernels: tuple[tuple[str, str], ...]) -> str:

@@ -56,6 +56,9 @@ class PrefillRequest:
     # queue (engine/scheduler.py: Scheduler.prefill_order); None: none (a migrated request, whose
     # first token went out before, or `--prefill-order fcfs`)
     ttft_budget_s: Optional[float] = None
+    # how the KV goes on the wire (protocol/kv_wire.py: none, lossless, fp8, int8), the router's
+    # choice (router/kv_wire.py)
+    kv_wire: str = "none"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from protocol.requests import AdmitColocatedRequest, PrefillRequest, RenewRequest
+from router import kv_wire
 from router.chunks import read_chunks
 from router.counting import Count, QueuedPrompt
 from router.failures import RequestAborted
@@ -51,6 +52,7 @@ class Flows:
         kv_timeout_s: float,
         stream_interval: int,
         ttft_target_s: Optional[float] = None,
+        wire: kv_wire.KVWireConfig = kv_wire.KVWireConfig(),
     ):
         self._placement = placement
         self._reservation = reservation
@@ -64,6 +66,7 @@ class Flows:
         self._stream_interval = stream_interval
         # the SLO's TTFT, which prompts carry into the prefill queue; None: no deadlines (fcfs)
         self._ttft_target_s = ttft_target_s
+        self._wire = wire
 
     async def disaggregated(
         self, record: RequestRecord, wid: str, prompt: Prompt, params, progress: Progress
@@ -90,6 +93,7 @@ class Flows:
             # yet computed). The prefill worker skips the blocks the decode worker reused, and hands
             # the request to the decode worker itself.
             renewal = RenewRequest(wid, self._kv_timeout_s)
+            wire = self._wire_choice(prompt, prefill, decode, reused_blocks)
             with route.prefill_count:
                 result = await client.prefill(
                     prefill,
@@ -102,6 +106,7 @@ class Flows:
                         reused_blocks,
                         decode=decode.actor,
                         ttft_budget_s=None if deadline_s is None else deadline_s - time.monotonic(),
+                        kv_wire=wire.mode,
                     ),
                     every_s=self._kv_timeout_s / 3,
                     tick=lambda: client.renew(decode, renewal),
@@ -118,6 +123,11 @@ class Flows:
         )
         progress.prefill = result
         progress.cached_prompt_tokens = result.num_cached_prompt_tokens
+        if result.kv_bytes:
+            progress.kv_wire = f"{result.kv_wire} ({wire.reason})"
+            self._metrics.kv_wire.labels(result.kv_wire, wire.reason).inc()
+            self._metrics.kv_wire_bytes.labels("raw").inc(result.kv_bytes)
+            self._metrics.kv_wire_bytes.labels("wire").inc(result.kv_wire_bytes)
         if progress.first_token_s is None:
             now = time.monotonic()
             self._stats.first_token(now, now - progress.start_s, result.queue_s)
@@ -145,13 +155,30 @@ class Flows:
             if chunk.kv_ready_wall_s is not None:  # acknowledged to the prefill worker already
                 progress.kv_transfer_s = max(0.0, chunk.kv_ready_wall_s - result.kv_sent_wall_s)
                 route.prefill_released = True
+                # the link learns from the wire: the bytes sent, in the time left once the codec's
+                # predicted cost is taken off
+                codec_s = kv_wire.codec_s(result.kv_wire, decode.info.dtype, result.kv_bytes)
                 placement.links.observe(
-                    prefill.info.node, decode.info.node, result.kv_bytes, progress.kv_transfer_s
+                    prefill.info.node,
+                    decode.info.node,
+                    result.kv_wire_bytes or result.kv_bytes,
+                    max(0.0, progress.kv_transfer_s - codec_s),
                 )
             progress.decode_step_s = chunk.decode_step_s
             yield self._output.item(
                 progress, chunk.token_ids, chunk.finish_reason, decode.worker_id, chunk.logprobs
             )
+
+    def _wire_choice(
+        self, prompt: Prompt, prefill, decode, reused_blocks: int
+    ) -> kv_wire.WireChoice:
+        """How this attempt's KV goes on the wire: the blocks it ships, over the link it crosses."""
+        block_tokens = decode.info.block_size_tokens
+        blocks = -(-len(prompt.ids) // block_tokens) - reused_blocks
+        link = self._placement.links.estimate(prefill.info.node, decode.info.node)
+        return kv_wire.choose(
+            self._wire, max(0, blocks) * decode.info.kv_block_bytes, decode.info.dtype, link
+        )
 
     def _deadline_s(self, progress: Progress) -> Optional[float]:
         """When the SLO's TTFT for a prompt going to the prefill queue runs out (time.monotonic()):

@@ -14,12 +14,14 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.sampling_params import TokenLogprobs
 from pdserve_proto import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
+from router.access_log import GrpcAccessLog
 from router.auth import AuthError, Credentials
 from router.failures import describe_failure
 from router.logs import request_context
 from router.output import StreamItem
 from router.pools.workers import WorkerStartError
 from router.router import Router
+from router.tracing import RequestTracer
 from router.validation import RequestValidationError, ValidationLimits, validate
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         stats: Callable,
         scale: Callable,
         credentials: Credentials = Credentials(),
+        tracer: Optional[RequestTracer] = None,
     ):
         self.router = router
         self.limits = limits
@@ -51,6 +54,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # async (prefill: Optional[int], decode: Optional[int]) -> (ready prefill, ready decode)
         self._scale = scale
         self.credentials = credentials
+        self.tracer = tracer  # router/tracing.py; None: tracing off
 
     async def _authorize(self, context, admin: bool) -> None:
         metadata = dict(context.invocation_metadata() or ())
@@ -78,7 +82,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # past the client's deadline gRPC cancels this handler; closing the stream aborts the
             # workers
             try:
-                async with contextlib.aclosing(self.router.generate(validated)) as stream:
+                stream = self.router.generate(validated)
+                if self.tracer is not None:
+                    traceparent = dict(context.invocation_metadata() or ()).get("traceparent")
+                    stream = self.tracer.trace(stream, validated.request_id, traceparent, "grpc")
+                async with contextlib.aclosing(stream):
                     async for item in stream:
                         response = _response(validated.request_id, item, validated.prompt_ids)
                         await self.router.writes_released()
@@ -208,19 +216,25 @@ def _token_logprob(value: Optional[TokenLogprobs], token_id: int = 0) -> "pb.Tok
 
 
 async def start_grpc_server(
-    servicer: GenerationServicer, host: str, port: int, tls: Optional[tuple[str, str]] = None
+    servicer: GenerationServicer,
+    host: str,
+    port: int,
+    tls: Optional[tuple[str, str]] = None,
+    access_log: bool = False,
 ) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Starts serving (TLS when `tls` is (certificate file, key file), both PEM); returns the
     server, the bound port (port 0 picks one) and the health servicer, which reports NOT_SERVING
-    until the caller marks the system ready."""
+    until the caller marks the system ready. `access_log`: a line per call
+    (router/access_log.py)."""
     # so_reuseport off: with it (gRPC's default on Linux) a second server binds a running one's port
     # and the two split its clients silently.
     server = grpc.aio.server(
+        interceptors=[GrpcAccessLog()] if access_log else None,
         options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
+        ],
     )
     _add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()

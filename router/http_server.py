@@ -23,6 +23,7 @@ from typing import Awaitable, Callable, Optional
 from aiohttp import web
 
 from router import openai_tokens
+from router.access_log import http_access_log
 from router.auth import AuthError, Credentials
 from router.choices import Choices, best, generate_choices
 from router.failures import describe_failure
@@ -43,6 +44,7 @@ from router.openai_logprobs import TokenTexts
 from router.output import FinalInfo, StreamItem
 from router.pools.workers import WorkerStartError
 from router.router import Router
+from router.tracing import RequestTracer
 from router.validation import (
     MAX_REQUEST_ID_CHARS,
     RequestValidationError,
@@ -66,11 +68,16 @@ class HttpFrontend:
     snapshot: Callable[[], Awaitable[Snapshot]]  # current pools and loads, for /metrics
     scale: Callable[[Optional[int], Optional[int]], Awaitable[tuple[int, int]]]
     ready: Callable[[], bool]
+    access_log: bool = True  # router/access_log.py
+    tracer: Optional[RequestTracer] = None  # router/tracing.py; None: tracing off
     started_s: float = 0.0
     _texts: Optional[TokenTexts] = None  # token texts for logprobs, shared by all requests
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        middlewares = [http_access_log] if self.access_log else []
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[*middlewares, self._errors]
+        )
         app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -173,6 +180,9 @@ class HttpFrontend:
             shape = self._shape(parsed, validated)
             stream = generate_choices(self.router, validated, parsed.choices)
             request_id = validated[0].request_id
+            if self.tracer is not None:
+                traceparent = request.headers.get("traceparent")
+                stream = self.tracer.trace(stream, request_id, traceparent, "http")
             async with contextlib.aclosing(stream):
                 try:
                     # failures before the first token still get their own status

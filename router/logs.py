@@ -12,15 +12,34 @@ import contextvars
 import json
 import logging
 import time
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_request_id", default="-")
+
+
+@dataclass
+class AccessEntry:
+    """What a request's access-log line says beyond method, path, status and latency
+    (router/access_log.py); filled in while the request is served."""
+
+    request_id: str = "-"
+    trace_id: str = "-"
+
+
+# set by the access log's hooks for the request served on this task; None with the log off
+access_entry: contextvars.ContextVar[Optional[AccessEntry]] = contextvars.ContextVar(
+    "pdserve_access_entry", default=None
+)
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
 @contextlib.contextmanager
 def request_context(request_id: str) -> Iterator[None]:
     token = _request_id.set(request_id)
+    entry = access_entry.get()
+    if entry is not None:
+        entry.request_id = request_id
     try:
         yield
     finally:

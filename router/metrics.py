@@ -71,6 +71,8 @@ class Snapshot:
     requests_waiting_for_kv: int = 0
     # (sender node, receiver node) -> router.links.LinkEstimate: what KV handoffs cost there
     links: dict = field(default_factory=dict)
+    # pool -> why it serves degraded (router/pools/manager.py PoolManager.degraded)
+    degraded: dict = field(default_factory=dict)
 
 
 class RouterMetrics:
@@ -145,6 +147,19 @@ class RouterMetrics:
             "Prompt tokens found in a worker's KV cache: not computed (prefill pool, and local "
             "prefills on the decode pool) or not shipped (the decode pool's reused blocks)",
             ["pool"],
+            registry=self.registry,
+        )
+        self.kv_wire = Counter(
+            "pdserve_kv_wire",
+            "Disaggregated handoffs by the wire mode their KV went in (none, lossless, fp8, int8) "
+            "and why: asked (--kv-wire), or auto's faster, no_gain, no_link (router/kv_wire.py)",
+            ["mode", "reason"],
+            registry=self.registry,
+        )
+        self.kv_wire_bytes = Counter(
+            "pdserve_kv_wire_bytes",
+            "KV of handoffs, by kind: raw (the cache's own size) or wire (what was sent)",
+            ["kind"],
             registry=self.registry,
         )
         self.kv_bytes_reused = Counter(
@@ -347,6 +362,15 @@ class _PoolCollector:
         yield from per_worker.values()
         yield from (gpu_info, gpu_memory, gpu_memory_total, gpu_util, kernel_info)
         yield from _link_families(snap.links)
+        degraded = GaugeMetricFamily(
+            "pdserve_degraded",
+            "1 while the pool serves degraded: no live node of its type, or no ready worker "
+            "(the other pool's workers do its work)",
+            labels=["pool"],
+        )
+        for pool in sorted({row.role for row in snap.workers} | set(snap.degraded)):
+            degraded.add_metric([pool], 1.0 if pool in snap.degraded else 0.0)
+        yield degraded
 
 
 def _link_families(links: dict) -> Iterable[GaugeMetricFamily]:

@@ -52,6 +52,9 @@ class FinalInfo:
     decode_worker: str = ""
     decode_step_s: float = 0.0  # the decode worker's mean engine decode step; 0: none reported
     pd_decision: str = ""  # where its last attempt prefilled and why (router/pd_policy.py)
+    # its last handoff's wire mode and why (router/kv_wire.py), and the bytes sent; "": none
+    kv_wire: str = ""
+    kv_wire_bytes: int = 0
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Progress:
     kv_transfer_s: float = 0.0
     cached_prompt_tokens: int = 0
     pd_decision: str = ""  # its latest attempt's, e.g. "local (link)"; colocated: none
+    kv_wire: str = ""  # its latest handoff's wire mode and why, e.g. "lossless (faster)"
     # the decode worker's mean engine decode step for it, with its last chunk
     decode_step_s: Optional[float] = None
 
@@ -151,4 +155,6 @@ class Output:
             decode_worker=decode_worker_id,
             decode_step_s=progress.decode_step_s or 0.0,
             pd_decision=progress.pd_decision,
+            kv_wire=progress.kv_wire,
+            kv_wire_bytes=prefill.kv_wire_bytes if prefill else 0,
         )

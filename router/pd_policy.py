@@ -81,10 +81,10 @@ def decide(
 ) -> Decision:
     """`remote`: the best prefill worker (None when the pool has none ready); `local`: the best
     decode worker; `ttft_target_s`: the SLO's TTFT."""
+    if remote is None:  # whatever the policy: the system serves degraded, decode workers prefill
+        return Decision("local", "no_prefill_worker")
     if config.policy != "auto":
         return Decision(config.policy, "policy")
-    if remote is None:
-        return Decision("local", "no_prefill_worker")
     local_new = prompt_tokens - local.cached_tokens
     if local_new <= config.local_max_prompt_tokens:
         return Decision("local", "prefix_hit" if local.cached_tokens else "short_prompt")

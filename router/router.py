@@ -36,6 +36,7 @@ from router.failures import (
 )
 from router.flows import Flows
 from router.kv_index import PrefixIndex, RoutingConfig
+from router.kv_wire import KVWireConfig
 from router.links import LinkEstimate, LinkKey, Links
 from router.metrics import RouterMetrics, Snapshot
 from router.output import FinalInfo, Output, Progress, StreamItem
@@ -76,6 +77,7 @@ class RouterConfig:
     # prefill worker takes the prompts that can still make it first, earliest deadline first
     # (engine/scheduler.py: Scheduler.prefill_order); "fcfs": first come, first served.
     prefill_order: str = "slo"
+    kv_wire: KVWireConfig = KVWireConfig()  # how KV goes on the wire (router/kv_wire.py)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -152,6 +154,7 @@ class Router:
             config.kv_timeout_s,
             config.stream_interval,
             config.slo.ttft_s if config.prefill_order == "slo" else None,
+            config.kv_wire,
         )
 
     async def generate(

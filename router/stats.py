@@ -86,7 +86,8 @@ class RouterStats:
             self.metrics.observe_slo(result)
         log.info(
             "finished (%s): %d prompt (%d cached) + %d completion tokens, TTFT %.1f ms (queue "
-            "%.1f, prefill %.1f), TPOT %.1f ms, KV %d B in %.1f ms, prefill %s, decode %s, PD %s",
+            "%.1f, prefill %.1f), TPOT %.1f ms, KV %d B (wire %d B, %s) in %.1f ms, prefill %s, "
+            "decode %s, PD %s",
             final.finish_reason,
             final.prompt_tokens,
             final.cached_prompt_tokens,
@@ -96,6 +97,8 @@ class RouterStats:
             final.prefill_s * 1e3,
             final.tpot_s * 1e3,
             final.kv_bytes,
+            final.kv_wire_bytes,
+            final.kv_wire or "-",
             final.kv_transfer_s * 1e3,
             final.prefill_worker or "-",
             final.decode_worker,

@@ -38,6 +38,14 @@ class KVEnd:
         bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=generator))
         self.cache.import_blocks(block_ids, data)
 
+    def fill_normal(self, block_ids: Sequence[int], seed: int = 0) -> None:
+        """Finite values, a spread per head (the lossy wire modes are for finite KV)."""
+        generator = torch.Generator().manual_seed(seed)
+        data = self.cache.export_blocks(block_ids)
+        values = torch.randn(data.shape, generator=generator)
+        values *= torch.rand(data.shape[:3] + (1, data.shape[4], 1), generator=generator) * 8
+        self.cache.import_blocks(block_ids, values.to(data.dtype))
+
     def blocks_bytes(self, block_ids: Sequence[int], layers: slice = slice(None)) -> torch.Tensor:
         return self.cache.export_blocks(block_ids, layers).view(torch.uint8)
 
@@ -80,10 +88,14 @@ class KVEndWorker:
     def address(self):
         return self.side.address
 
-    def allocate_random(self, num_blocks: int, seed: int = 0) -> list[int]:
+    def allocate_random(self, num_blocks: int, seed: int = 0, finite: bool = False) -> list[int]:
+        """Blocks of arbitrary bits, or (`finite`) of finite values the lossy wire modes carry."""
         block_ids = self.end.allocator.allocate(num_blocks)
-        self.end.fill_random(block_ids, seed)
+        (self.end.fill_normal if finite else self.end.fill_random)(block_ids, seed)
         return block_ids
+
+    def blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self.end.cache.export_blocks(block_ids)
 
     def digest(self, block_ids: Sequence[int]) -> int:
         import zlib
@@ -93,8 +105,10 @@ class KVEndWorker:
     def reserve(self, request_id: str, num_blocks: int, timeout_s: float) -> list[int]:
         return self.side.reserve(request_id, num_blocks, timeout_s)
 
-    def start(self, request_id: str, block_ids, destination=None, lease_s: float = 30.0) -> None:
-        self.side.start(request_id, block_ids, destination, lease_s)
+    def start(
+        self, request_id: str, block_ids, destination=None, lease_s: float = 30.0, wire="none"
+    ) -> None:
+        self.side.start(request_id, block_ids, destination, lease_s, wire)
 
     def send(self, request_id: str, layer_start: int, layer_stop: int):
         return self.side.send_layers(request_id, slice(layer_start, layer_stop))
@@ -158,3 +172,22 @@ def one_fake_gpu(monkeypatch) -> dict:
     monkeypatch.setattr(cuda_ipc, "share", share)
     monkeypatch.setattr(cuda_ipc, "open_shared", lambda handle, device: shared[handle[0]])
     return shared
+
+
+def assert_within_wire_bounds(original: torch.Tensor, received: torch.Tensor, wire: str) -> None:
+    """`received` is what `wire` (kvtransfer/codecs.py) may make of `original`: the same bits for
+    none and lossless; for int8 within scale / 2 of each value, for fp8 within 1/16 of it plus
+    scale * 2^-10, where scale is its (layer, k/v, block, head)'s largest magnitude over 127 / 448;
+    plus the cache dtype's rounding of the result."""
+    if wire in ("none", "lossless"):
+        assert torch.equal(original.view(torch.uint8), received.view(torch.uint8))
+        return
+    assert received.dtype == original.dtype and received.shape == original.shape
+    values, got = original.float(), received.float()
+    amax = values.abs().amax(dim=(3, 5), keepdim=True)
+    scale = amax / (127.0 if wire == "int8" else 448.0)
+    bound = scale / 2 if wire == "int8" else values.abs() / 16 + scale * 2**-10
+    rounding = got.abs() * (2**-8 if original.dtype == torch.bfloat16 else 2**-20)
+    excess = (got - values).abs() - (bound * 1.0001 + rounding)
+    assert excess.max().item() <= 0, f"{wire}: an error exceeds its bound by {excess.max().item()}"
+    assert (got - values).abs().max().item() > 0, f"{wire} left every value exact: not encoded?"

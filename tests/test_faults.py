@@ -297,41 +297,30 @@ def _kill(system, role: str) -> str:
     return worker.worker_id
 
 
-def test_no_prefill_worker_left_is_unavailable_at_once(harness):
+def test_no_prefill_worker_left_serves_degraded_on_the_decode_worker(harness):
+    """With the prefill pool empty (its worker dead, the healer stopped) the decode worker prefills
+    too, under `--pd-policy remote` as under auto; `status` and /metrics say the system is
+    degraded."""
     lonely = harness.start(num_prefill=1, num_decode=1, http_port=0)
     try:
         lonely.system.pools._healer.cancel()  # keep it dead: this test is about the empty pool
-        _kill(lonely, "prefill")
-        time.sleep(0.5)
-        with lonely.client(timeout_s=30) as client:
+        with lonely.client(timeout_s=60) as client:
+            request = client.request(PROMPT, max_tokens=4, temperature=0)
+            reference = client.generate(request)
+            assert reference.prefill_worker.startswith("prefill")
+            _kill(lonely, "prefill")
+            time.sleep(0.5)
             started = time.monotonic()
-            with pytest.raises(grpc.RpcError) as failure:
-                client.generate(client.request(PROMPT, max_tokens=4, temperature=0))
-        assert (
-            failure.value.code() == grpc.StatusCode.UNAVAILABLE
-            and "prefill" in failure.value.details()
-        )
-        assert time.monotonic() - started < 15
-        # Over streaming HTTP, a failure before the first token is an error status with OpenAI's
-        # body, not a 200.
-        body = json.dumps(
-            {
-                "model": lonely.system.config.model_name,
-                "prompt": "Hi",
-                "max_tokens": 4,
-                "stream": True,
-            }
-        )
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{lonely.system.http_port}/v1/completions",
-            body.encode(),
-            {"Content-Type": "application/json"},
-        )
-        with pytest.raises(urllib.error.HTTPError) as http_failure:
-            urllib.request.urlopen(request, timeout=30)
-        assert http_failure.value.code == 503
-        assert "prefill" in json.loads(http_failure.value.read())["error"]["message"]
-        deadline = time.monotonic() + 2  # the failed attempt's reservation is handed back at once
+            degraded = client.generate(request)
+            assert time.monotonic() - started < 15
+            assert degraded.token_ids == reference.token_ids
+            assert degraded.prefill_worker in ("", degraded.decode_worker), degraded
+            stats = client.stats()
+        assert any(line.startswith("prefill: no ready worker") for line in stats.degraded), stats
+        url = f"http://127.0.0.1:{lonely.system.http_port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            assert 'pdserve_degraded{pool="prefill"} 1.0' in response.read().decode()
+        deadline = time.monotonic() + 5  # every block free once it finished
         while (
             decode := next(w for w in lonely.stats().workers if w.role == "decode")
         ).kv_blocks_free != decode.kv_blocks_total:

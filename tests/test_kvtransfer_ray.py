@@ -33,6 +33,7 @@ from tests.kv_ends import (  # noqa: E402
     TOTAL_BLOCKS,
     KVEnd,
     KVEndWorker,
+    assert_within_wire_bounds,
     one_fake_gpu,
 )
 
@@ -101,6 +102,23 @@ def test_ray_round_trip_is_bit_identical(ray_pair, layout, num_blocks, mode):
     assert receiver.poll().ready == {"r": reserved}
     assert torch.equal(receiver_end.blocks_bytes(reserved), sender_end.blocks_bytes(blocks))
     sender.acknowledge("r")  # the caller relays the ack (the decode worker, in the system)
+    receiver_end.allocator.free(reserved)
+
+
+@pytest.mark.parametrize("wire", ["lossless", "fp8", "int8"])
+def test_ray_handoff_in_each_wire_mode(ray_pair, wire):
+    sender, receiver, sender_end, receiver_end = ray_pair(BF16)
+    blocks = sender_end.allocator.allocate(5)
+    sender_end.fill_normal(blocks, seed=5)
+    reserved = receiver.reserve("r", 5, timeout_s=5.0)
+    sender.start("r", blocks, wire=wire)
+    for layers in LAYER_GROUPS["layerwise"]:
+        receiver.deliver(sender.send_layers("r", layers))
+    assert sender.wire_sent("r")[0] == wire
+    assert receiver.poll().ready == {"r": reserved}
+    expected = sender_end.cache.export_blocks(blocks)
+    assert_within_wire_bounds(expected, receiver_end.cache.export_blocks(reserved), wire)
+    sender.acknowledge("r")
     receiver_end.allocator.free(reserved)
 
 

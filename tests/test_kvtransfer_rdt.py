@@ -25,7 +25,13 @@ from kvtransfer.rdt_transport import (  # noqa: E402
     interface_of,
 )
 from kvtransfer.wire import KVGroupHeader  # noqa: E402
-from tests.kv_ends import FP32, LAYER_GROUPS, TOTAL_BLOCKS, KVEndWorker  # noqa: E402
+from tests.kv_ends import (  # noqa: E402
+    FP32,
+    LAYER_GROUPS,
+    TOTAL_BLOCKS,
+    KVEndWorker,
+    assert_within_wire_bounds,
+)
 
 BF16 = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64, block_size_tokens=16, dtype="bfloat16")
 Worker = ray.remote(num_cpus=0.5, **actor_class_options())(KVEndWorker)
@@ -148,6 +154,27 @@ def test_rdt_actors_round_trip_is_bit_identical(pairs, layout, num_blocks, mode)
     # the caller relays the ack (the router, in the system)
     ray.get(pair.prefill.acknowledge.remote(request_id))
     ray.get(pair.decode.free.remote(reserved))  # the decode worker owns them now
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("wire", ["lossless", "fp8", "int8"])
+def test_rdt_handoff_in_each_wire_mode(pairs, wire):
+    pair = pairs(BF16)
+    request_id = f"wire-{wire}"
+    blocks = ray.get(pair.prefill.allocate_random.remote(4, 4, True))
+    reserved = ray.get(pair.decode.reserve.remote(request_id, 4, 10.0))
+    ray.get(pair.prefill.start.remote(request_id, blocks, None, 30.0, wire))
+    readiness = [
+        pair.deliver(pair.send(request_id, layers)) for layers in LAYER_GROUPS["layerwise"]
+    ]
+    assert readiness[-1] is True, readiness
+    assert ray.get(pair.decode.wait_settled.remote(request_id, 10.0)) == ("ready", reserved)
+    original, received = ray.get(
+        [pair.prefill.blocks.remote(blocks), pair.decode.blocks.remote(reserved)]
+    )
+    assert_within_wire_bounds(original, received, wire)
+    ray.get(pair.prefill.acknowledge.remote(request_id))
+    ray.get(pair.decode.free.remote(reserved))
     pair.assert_all_free()
 
 

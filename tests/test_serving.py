@@ -316,3 +316,33 @@ def test_a_decode_workers_token_stream_refuses_a_subscriber_without_its_secret(d
             client.request("Say hi.", max_tokens=4, temperature=0, ignore_eos=True)
         )
     assert answer.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "transport,wire", [("grpc", "lossless"), ("ray", "int8")], ids=["grpc-lossless", "ray-int8"]
+)
+def test_kv_on_the_wire_compressed(harness, expected, transport, wire):
+    """`--kv-wire lossless` gives the engine's greedy fp32 answers; a lossy mode (allowed) changes
+    no prompt's first token, which the prefill worker samples before any KV moves, and finishes
+    every answer. Both count in /metrics, with fewer bytes on the wire than the KV's own."""
+    system = harness.start(transport=transport, kv_wire=wire, kv_wire_lossy=wire != "lossless")
+    try:
+        completions = _chat_all(system, QUESTIONS, max_tokens=32, temperature=0)
+        for question, completion in zip(QUESTIONS, completions):
+            want = expected[question].token_ids
+            if wire == "lossless":
+                assert completion.token_ids == want
+            else:
+                assert completion.token_ids[0] == want[0]
+                assert len(completion.token_ids) == len(want) or completion.finish_reason == "stop"
+        metrics = system.system.router._metrics.registry
+        assert metrics.get_sample_value(
+            "pdserve_kv_wire_total", {"mode": wire, "reason": "asked"}
+        ) == len(QUESTIONS)
+        raw = metrics.get_sample_value("pdserve_kv_wire_bytes_total", {"kind": "raw"})
+        sent = metrics.get_sample_value("pdserve_kv_wire_bytes_total", {"kind": "wire"})
+        assert 0 < sent < (0.95 if wire == "lossless" else 0.3) * raw
+        stats = system.wait_idle()
+        assert all(w.kv_blocks_free == w.kv_blocks_total for w in stats.workers)
+    finally:
+        system.stop()

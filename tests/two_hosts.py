@@ -60,6 +60,15 @@ _SERVE_START_TIMEOUT_S = 240.0
 # Ray's own default ports and pdserve's are free on the hosts: their namespaces are this run's alone
 _RAY_PORT = 6379
 _SERVE_PORT = 50051
+# The head's GCS marks a node dead after `failure_threshold` health checks in a row failed (each
+# `timeout_ms`, one every `period_ms`): Ray 2.60's defaults are 3000 / 10000 / 5 (~40 s seen on a
+# partition); these make it ~5 s, so a test can outlast it
+FAST_NODE_TIMEOUT_ENV = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1500",
+    "RAY_health_check_failure_threshold": "3",
+}
 
 
 class TwoHostsError(RuntimeError):
@@ -220,6 +229,7 @@ class TwoHosts:
         self.link = Link(self.namespaces, {"a": self.devices["a"], "b": self.devices["b"]})
         self.processes: list[Child] = []
         self.cluster: Optional[RayCluster] = None
+        self.ray_env: dict[str, str] = {}  # more environment for every process on the hosts
         self._closed = False
 
     # -- making the hosts ------------------------------------------------------------------------
@@ -315,6 +325,7 @@ class TwoHosts:
             **os.environ,
             "RAY_AUTH_MODE": "disabled",
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+            **self.ray_env,
         }
         env.pop("RAY_ADDRESS", None)
         return env
@@ -344,10 +355,16 @@ class TwoHosts:
         head_resources: Optional[dict] = None,
         node_resources: Optional[dict] = None,
         object_store_bytes: int = 256 << 20,
+        supervise_node: bool = False,
+        fast_node_timeout: bool = False,
     ) -> RayCluster:
         """`ray start --head --block` on A, then `ray start --block --address` on B; returns once
         both nodes are alive in the head's view. Resources default to cluster.yaml's node types:
-        the prefill pool's on A, the decode pool's on B."""
+        the prefill pool's on A, the decode pool's on B. `supervise_node`: B's node runs under
+        `pdserve node` (pdserve/node_supervisor.py), which starts it again whenever it goes;
+        `fast_node_timeout`: the head marks a silent node dead after ~5 s, not ~40."""
+        if fast_node_timeout:
+            self.ray_env.update(FAST_NODE_TIMEOUT_ENV)
         head_resources = {"pdserve_prefill": 1} if head_resources is None else head_resources
         node_resources = {"pdserve_decode": 1} if node_resources is None else node_resources
         ray = str(Path(sys.executable).with_name("ray"))
@@ -375,19 +392,19 @@ class TwoHosts:
         )
         address = f"{self.a}:{port}"
         self._wait_nodes(address, 1)
-        self.spawn(
-            "b",
-            "ray-node",
-            [
-                ray,
-                "start",
-                f"--address={address}",
-                f"--node-ip-address={self.b}",
-                f"--num-cpus={node_cpus}",
-                f"--resources={json.dumps(node_resources)}",
-                *common,
-            ],
-        )
+        node_args = [
+            f"--node-ip-address={self.b}",
+            f"--num-cpus={node_cpus}",
+            f"--resources={json.dumps(node_resources)}",
+            *common,
+        ]
+        if supervise_node:
+            node_args.remove("--block")  # the supervisor's own
+            pdserve = str(Path(sys.executable).with_name("pdserve"))
+            argv = [pdserve, "node", f"--address={address}", "--max-backoff-s=4", "--", *node_args]
+        else:
+            argv = [ray, "start", f"--address={address}", *node_args]
+        self.spawn("b", "ray-node", argv)
         self._wait_nodes(address, 2)
         self.cluster = RayCluster(address, self.a, self.b)
         return self.cluster
@@ -454,6 +471,31 @@ class TwoHosts:
                     raise
                 time.sleep(0.5)
         return server
+
+    def kill_node(self, side: str, spare: tuple[int, ...] = ()) -> list[int]:
+        """SIGKILL to every process on host `side` but the pids in `spare` (a node's death: its
+        raylet, its workers, everything); returns the pids killed."""
+        killed = []
+        for pid in _run("ip", "netns", "pids", self.namespaces[side]).stdout.split():
+            if int(pid) in spare:
+                continue
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+            except ProcessLookupError:
+                pass
+        return killed
+
+    def alive_nodes(self, timeout_s: float = 5.0) -> dict[str, str]:
+        """Ray node id (hex) -> address, of the nodes the head lists as alive."""
+        from ray._raylet import GcsClient
+
+        nodes = GcsClient(address=self.cluster.address).get_all_node_info(timeout=timeout_s)
+        return {
+            node_id.hex(): info.node_manager_address
+            for node_id, info in nodes.items()
+            if info.state == 0  # ALIVE
+        }
 
     # -- tear-down ------------------------------------------------------------------------------
 

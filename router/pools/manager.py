@@ -42,6 +42,13 @@ class WorkerFactory(Protocol):
     async def form_kv_group(self, senders: list, receivers: list, receiver_role: str) -> str:
         """--transport rdt: forms the collective group of these actors; returns its name."""
 
+    def node_type_missing(self, role: str) -> bool:
+        """Whether the cluster had nodes of this role's type and has no live one now (new workers
+        of the role then land on other nodes)."""
+
+    def is_displaced(self, worker_id: str) -> bool:
+        """Whether the worker was started off its node type, none being alive then."""
+
 
 class PoolManager:
     def __init__(self, router: Router, workers: WorkerFactory):
@@ -210,6 +217,46 @@ class PoolManager:
                         self._missing[role] = 0
                     except Exception:  # e.g. no room on the cluster now: the next round retries
                         log.exception("%s pool: could not start replacements", role)
+                await self._move_back(role)
+
+    def degraded(self) -> dict[str, str]:
+        """Each pool that serves degraded, with why: no live node of its type (its replacements run
+        on other nodes), no ready worker (the other pool's workers do its work: decode workers
+        prefill), or workers still off their node type."""
+        reasons = {}
+        for role in (
+            ("prefill", self.decode_role) if self.mode == "disaggregated" else ("colocated",)
+        ):
+            ready = self._pool(role).ready()
+            displaced = [w for w in ready if self.workers.is_displaced(w.worker_id)]
+            if self.workers.node_type_missing(role):
+                reasons[role] = (
+                    f"no live node of its type: {len(displaced)} worker(s) on other nodes"
+                )
+            elif not ready:
+                reasons[role] = "no ready worker: replacements starting"
+            elif displaced:
+                reasons[role] = f"{len(displaced)} worker(s) off their node type: moving back"
+        return reasons
+
+    async def _move_back(self, role: str) -> None:
+        """Workers started off their node type (none was alive then) are replaced by workers on it
+        once one is alive again, then drained: the pools run on the nodes sized for them."""
+        pool = self._pool(role)
+        displaced = [w for w in pool.ready() if self.workers.is_displaced(w.worker_id)]
+        if not displaced or self.kv_group is not None or self.workers.node_type_missing(role):
+            return
+        try:
+            await self.add_workers(role, len(displaced))
+        except Exception:  # e.g. no room on that node yet: the next round retries
+            log.exception("%s pool: could not start workers on its node type", role)
+            return
+        for worker in displaced:
+            log.info("%s pool: %s moves back to its node type", role, worker.worker_id)
+            worker.drain()
+            task = asyncio.get_running_loop().create_task(self._drain_and_stop(role, worker))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
 
     def stop_all(self) -> None:
         if self._healer is not None:
