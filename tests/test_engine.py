@@ -292,6 +292,6 @@ def test_an_unset_kv_cache_is_sized_from_available_memory(tiny):
 
     size = auto_kv_cache_bytes()
     assert AUTO_KV_MIN_BYTES <= size <= AUTO_KV_MAX_BYTES
-    assert size == min(
-        AUTO_KV_MAX_BYTES, max(AUTO_KV_MIN_BYTES, int(_available_memory_bytes() * 0.1))
-    )
+    # a tenth of what is available, read again here: other processes may have moved it a little
+    expected = min(AUTO_KV_MAX_BYTES, max(AUTO_KV_MIN_BYTES, int(_available_memory_bytes() * 0.1)))
+    assert abs(size - expected) <= 16 << 20
