@@ -227,3 +227,38 @@ def test_a_partition_in_the_middle_of_the_streams_stalls_them_and_they_finish_id
         assert token_ids == reference.token_ids
         assert finished_at > healed_at
     _assert_no_block_held(_idle(server))
+
+
+@pytest.mark.timeout(300)
+def test_a_partition_in_the_middle_of_a_handoff_stalls_it_and_the_request_finishes_identical(
+    hosts, servers, engine
+):
+    """A long prompt's KV (~480 tokens, ~11 MB in fp32) crosses a link slowed to 20 Mbit/s, so its
+    handoff takes seconds; the link drops every packet for 5 s from the request's first token (the
+    handoff under way) on. The request finishes token-identical after the heal, and no block stays
+    held on either side."""
+    server = servers.get("grpc")
+    text = "Rivers shaped where people settled, traded and fought over the centuries. " * 30
+    message = [{"role": "user", "content": text + "Summarise this."}]
+    (reference,) = _greedy(engine, [message], MAX_TOKENS)
+    hosts.link.shape(rate="20mbit")
+    try:
+        with server.client(timeout_s=180) as client:
+            request = client.request(messages=message, max_tokens=MAX_TOKENS, temperature=0)
+            token_ids, final, healed_at = [], None, None
+            for response in client.stream(request):
+                token_ids += list(response.token_ids)
+                final = response if response.finish_reason else final
+                if healed_at is None:  # the first token: the prefill is done, the KV on its way
+                    hosts.link.partition()
+                    try:
+                        assert not hosts.reachable(timeout_s=1.0)
+                        time.sleep(4.0)
+                    finally:
+                        hosts.link.heal()
+                        healed_at = time.monotonic()
+        assert token_ids == reference.token_ids
+        assert final.timings.kv_transfer_s > 4.0  # the handoff lasted through the partition
+    finally:
+        hosts.link.shape(rate="1gbit")
+    _assert_no_block_held(_idle(server))
