@@ -151,18 +151,24 @@ def test_a_kernel_that_kills_a_decode_worker_costs_one_migration_and_no_other_wo
     waits for run time). The first decode step kills the worker serving the request; the request
     migrates to the other, which has learnt on admitting it that the build killed a worker of its
     node and decodes with torch instead; the dead worker's replacement skips the build. One
-    migration, one death, the output the single-process engine gives."""
+    migration, one death, the output the single-process engine gives. Meanwhile every worker's
+    fused-ops build crashes its self-check: each worker starts all the same, with torch's ops."""
+    import engine.model
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
 
-    # the reference first, in this process, before the fault is set
-    engine = LLMEngine(EngineConfig(kv_cache_bytes=32 << 20), loaded=smollm_fp32)
-    prompt_ids = engine.tokenizer.encode(PROMPT)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    expected = engine.generate([prompt_ids], params)[0].token_ids
-    del engine
+    # the reference first, in this process, before the faults are set: torch's elementwise ops,
+    # as the workers will run them
+    with monkeypatch.context() as torch_ops:
+        torch_ops.setattr(engine.model, "fused_ops_for", lambda x: None)
+        reference = LLMEngine(EngineConfig(kv_cache_bytes=32 << 20), loaded=smollm_fp32)
+        prompt_ids = reference.tokenizer.encode(PROMPT)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        expected = reference.generate([prompt_ids], params)[0].token_ids
+        del reference
 
-    monkeypatch.setenv(FAULT_ENV, f"decode_attention:runtime{uuid.uuid4().hex[:8]}")
+    tag = uuid.uuid4().hex[:8]
+    monkeypatch.setenv(FAULT_ENV, f"decode_attention:runtime{tag},fused_ops:check{tag}")
     system = harness.start(transport="ray", num_prefill=1, num_decode=2)
     try:
         with system.client(timeout_s=120) as client:
@@ -180,6 +186,8 @@ def test_a_kernel_that_kills_a_decode_worker_costs_one_migration_and_no_other_wo
         assert len(pools.replaced) == 1, pools.replaced
         assert all(w.kv_blocks_free == w.kv_blocks_total > 0 for w in stats.workers), stats
         kernels_by_worker = {w.worker_id: w.kernels for w in stats.workers}
+        # the fused ops' crashing self-check: every worker runs torch's ops
+        assert all("fused_ops torch" in k for k in kernels_by_worker.values()), kernels_by_worker
         # the survivor fell back to torch, the replacement took the next candidate
         first = _first_decode_variant()
         decode_kernels = [k for wid, k in kernels_by_worker.items() if wid.startswith("decode")]
