@@ -11,6 +11,21 @@ from pdserve.client import PdserveClient
 from pdserve.system import ServeConfig, init_ray, new_event_loop, start_system
 
 
+def settled_stats(stats, timeout_s: float = 30):
+    """`stats()` once nothing is in flight and every worker's KV blocks are all free again (a worker
+    that does not answer reports 0 of 0 blocks: it never counts as free); the last seen after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = stats()
+        settled = seen.requests_in_flight == 0 and all(
+            w.kv_blocks_total > 0 and w.kv_blocks_free == w.kv_blocks_total for w in seen.workers
+        )
+        if settled or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
+
+
 class RunningSystem:
     def __init__(self, loop: asyncio.AbstractEventLoop, config: ServeConfig):
         self.loop = loop
@@ -40,18 +55,7 @@ class RunningSystem:
             return client.stats()
 
     def wait_idle(self, timeout_s: float = 30):
-        """Stats once nothing is in flight and every worker's KV blocks are all free again (a worker
-        that does not answer reports 0 of 0 blocks: it never counts as free)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = self.stats()
-            settled = stats.requests_in_flight == 0 and all(
-                w.kv_blocks_total > 0 and w.kv_blocks_free == w.kv_blocks_total
-                for w in stats.workers
-            )
-            if settled or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.2)
+        return settled_stats(self.stats, timeout_s)
 
     def stop(self) -> None:
         if self.system is not None:  # idempotent: a test may stop a shared system early
@@ -75,7 +79,10 @@ class Harness:
         self._ray_started = False
         self._running: list[RunningSystem] = []
 
-    def start(self, **config) -> RunningSystem:
+    def ensure_ray(self) -> None:
+        """The session's local cluster, started here if it is not up. Its processes keep the
+        environment of that moment: a test that sets a variable for one system's workers only
+        (they get it through the worker factory) starts the cluster first."""
         import ray
 
         if not ray.is_initialized():
@@ -86,6 +93,9 @@ class Harness:
                 )
             )
             self._ray_started = True
+
+    def start(self, **config) -> RunningSystem:
+        self.ensure_ray()
         # fp32 unless told: the tests compare with HF transformers in fp32, whatever this CPU
         # prefers; every disaggregated request through the prefill pool unless told (tests of the
         # local path ask for it) and the test run's own directory for lending cores, so a pdserve

@@ -167,6 +167,7 @@ def test_a_kernel_that_kills_a_decode_worker_costs_one_migration_and_no_other_wo
         expected = reference.generate([prompt_ids], params)[0].token_ids
         del reference
 
+    harness.ensure_ray()  # before the fault is set: only this system's workers may inherit it
     tag = uuid.uuid4().hex[:8]
     monkeypatch.setenv(FAULT_ENV, f"decode_attention:runtime{tag},fused_ops:check{tag}")
     system = harness.start(transport="ray", num_prefill=1, num_decode=2)
