@@ -81,9 +81,9 @@ DECODE_KERNEL_MAX_ROWS = 64
 # the most rows one call of decode_linear_f32 takes (its MAX_ROWS): a bigger batch (--deterministic
 # prefill chunks) goes in slices of it, each row's sums the same
 _F32_KERNEL_CALL_ROWS = 64
-DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear.c"
+DECODE_LINEAR_SOURCE = kernels.candidate("linear_f32", "kernel").source
 _TILE_OUTPUTS = 16  # the kernels' tile width: a layer's outputs must be a multiple of it
-BF16_DECODE_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "decode_linear_bf16.c"
+BF16_DECODE_LINEAR_SOURCE = kernels.candidate("linear_bf16", "kernel").source
 # where the CPU has AMX tiles, oneDNN's packed weight serves batches from this many rows on
 AMX_KERNEL_MAX_ROWS = 9
 

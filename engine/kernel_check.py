@@ -120,9 +120,9 @@ def _decode_reference(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
 
 
 def prefill_attention(library: Path, variant: str) -> Iterator[str]:
-    from engine.prefill_attention import AMX, AVX512_BF16, HEAD_DIM, PrefillAttention
+    from engine.prefill_attention import HEAD_DIM, KINDS, PrefillAttention
 
-    kernel = PrefillAttention({AMX.name: AMX, AVX512_BF16.name: AVX512_BF16}[variant], library)
+    kernel = PrefillAttention(KINDS[variant], library)
     g = torch.Generator().manual_seed(1)
     # new tokens, cached context: one row, partial 16-row tiles and 32-key blocks, whole ones,
     # context before the prompt

@@ -34,7 +34,7 @@ from engine.kernels import DISABLE_ENV, KernelFailed, open_library
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+SOURCE = kernels.candidate("decode_attention", "native").source
 MAX_HEAD_DIM = 256  # as in the C source
 # The suffix of a C kernel's function for each dtype it serves (e.g. `silu_mul_bf16`)
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}

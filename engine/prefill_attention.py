@@ -40,24 +40,21 @@ _ARGTYPES = [_P] * 4 + [_I] * 8 + [ctypes.c_float, _I]
 
 @dataclass(frozen=True)
 class KernelKind:
-    name: str  # as logs and benchmarks name it
+    name: str  # as logs and benchmarks name it: the kernel chain's variant (engine/kernels.py)
     source: Path
     extra_flags: tuple[str, ...]
     function: str
 
+    @classmethod
+    def of(cls, variant: str, function: str) -> "KernelKind":
+        """The chain's candidate of that name (its source and flags), calling `function`."""
+        built = kernels.candidate("prefill_attention", variant)
+        return cls(variant, built.source, built.extra_flags, function)
 
-AMX = KernelKind(
-    "amx",
-    Path(__file__).parent / "csrc" / "prefill_attention_amx.c",
-    ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16"),
-    "amx_prefill_attention_bf16",
-)
-AVX512_BF16 = KernelKind(
-    "avx512-bf16",
-    Path(__file__).parent / "csrc" / "prefill_attention_avx512.c",
-    ("-mavx512f", "-mavx512bf16"),
-    "avx512_prefill_attention_bf16",
-)
+
+AMX = KernelKind.of("amx", "amx_prefill_attention_bf16")
+AVX512_BF16 = KernelKind.of("avx512-bf16", "avx512_prefill_attention_bf16")
+KINDS = {kind.name: kind for kind in (AMX, AVX512_BF16)}  # by the chain's variant name
 
 
 def kernel_kind() -> Optional[KernelKind]:
@@ -123,8 +120,6 @@ class PrefillAttention:
 def load_prefill_kernel() -> Optional[PrefillAttention]:
     """The kernel for this process (engine/kernels.py's chain: AMX, then AVX512-BF16), or None
     (the torch path)."""
-    kinds = {kind.name: kind for kind in (AMX, AVX512_BF16)}
     return kernels.select(
-        "prefill_attention",
-        lambda library, variant: PrefillAttention(kinds[variant], library),
+        "prefill_attention", lambda library, variant: PrefillAttention(KINDS[variant], library)
     )

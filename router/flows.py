@@ -26,6 +26,7 @@ from router.chunks import read_chunks
 from router.counting import Count, QueuedPrompt
 from router.failures import RequestAborted
 from router.kv_index import PrefixIndex
+from router.links import kv_bytes_shipped
 from router.metrics import RouterMetrics
 from router.output import Output, Progress, StreamItem
 from router.placement import Placement, Prompt
@@ -173,12 +174,9 @@ class Flows:
         self, prompt: Prompt, prefill, decode, reused_blocks: int
     ) -> kv_wire.WireChoice:
         """How this attempt's KV goes on the wire: the blocks it ships, over the link it crosses."""
-        block_tokens = decode.info.block_size_tokens
-        blocks = -(-len(prompt.ids) // block_tokens) - reused_blocks
+        kv_bytes = kv_bytes_shipped(len(prompt.ids), reused_blocks, decode.info)
         link = self._placement.links.estimate(prefill.info.node, decode.info.node)
-        return kv_wire.choose(
-            self._wire, max(0, blocks) * decode.info.kv_block_bytes, decode.info.dtype, link
-        )
+        return kv_wire.choose(self._wire, kv_bytes, decode.info.dtype, link)
 
     def _deadline_s(self, progress: Progress) -> Optional[float]:
         """When the SLO's TTFT for a prompt going to the prefill queue runs out (time.monotonic()):

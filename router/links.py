@@ -41,6 +41,13 @@ class LinkEstimate:
         return self.latency_s + kv_bytes / self.bandwidth_bytes_per_s
 
 
+def kv_bytes_shipped(prompt_tokens: int, held_blocks: int, receiver) -> int:
+    """The KV a handoff of a prompt ships to `receiver` (its `WorkerInfo`): the prompt's blocks,
+    less the `held_blocks` of it the receiver's cache holds already."""
+    blocks = -(-prompt_tokens // receiver.block_size_tokens) - held_blocks
+    return max(0, blocks) * receiver.kv_block_bytes
+
+
 class Links:
     def __init__(self) -> None:
         self._samples: dict[LinkKey, collections.deque] = {}

@@ -11,7 +11,7 @@ from typing import Optional
 
 from engine.deadlines import Queued, deadline_order  # torch-free
 from router.kv_index import Candidate, PrefixIndex, RoutingConfig, prompt_hashes, rank
-from router.links import Links
+from router.links import Links, kv_bytes_shipped
 from router.metrics import RouterMetrics
 from router.pd_policy import Decision, PDPolicyConfig, Side, decide
 from router.pools.workers import NoWorkerError, WorkerHandle, WorkerPool
@@ -96,10 +96,9 @@ class Placement:
         """The predicted handoff of the prompt's KV, less the blocks the receiver holds already,
         over the link between the two workers' nodes."""
         info = receiver.worker.info
-        blocks = math.ceil((len(prompt.ids) - receiver.cached_tokens) / info.block_size_tokens)
-        return self.links.transfer_s(
-            sender.worker.info.node, info.node, max(0, blocks) * info.kv_block_bytes
-        )
+        held_blocks = receiver.cached_tokens // info.block_size_tokens
+        kv_bytes = kv_bytes_shipped(len(prompt.ids), held_blocks, info)
+        return self.links.transfer_s(sender.worker.info.node, info.node, kv_bytes)
 
     def pick(self, pool: WorkerPool, prompt: Prompt) -> WorkerHandle:
         """The pool's best worker for this prompt; NoWorkerError when none is ready."""

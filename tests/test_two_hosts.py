@@ -21,7 +21,7 @@ import pytest
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.two_hosts import TwoHosts
+from tests.two_hosts import TwoHosts, assert_no_block_held
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -107,36 +107,12 @@ def _chat_all(server, questions):
         return list(pool.map(one, questions))
 
 
-def _idle(server, timeout_s: float = 30.0):
-    """Stats once nothing is in flight and every worker's blocks are free (or the last seen)."""
-    deadline = time.monotonic() + timeout_s
-    with server.client() as client:
-        while True:
-            stats = client.stats()
-            if stats.requests_in_flight == 0 and all(
-                w.kv_blocks_total > 0 and w.kv_blocks_free == w.kv_blocks_total
-                for w in stats.workers
-            ):
-                return stats
-            if time.monotonic() > deadline:
-                return stats
-            time.sleep(0.2)
-
-
 def _node_addresses(hosts) -> dict[str, str]:
     """Ray node id -> the address it was started with."""
     from ray._raylet import GcsClient
 
     nodes = GcsClient(address=hosts.cluster.address).get_all_node_info(timeout=10)
     return {node_id.hex(): info.node_manager_address for node_id, info in nodes.items()}
-
-
-def _assert_no_block_held(stats):
-    held = {w.worker_id: w.kv_blocks_total - w.kv_blocks_free for w in stats.workers}
-    assert stats.requests_in_flight == 0 and all(w.kv_blocks_total > 0 for w in stats.workers), (
-        stats
-    )
-    assert not any(held.values()), held
 
 
 @pytest.mark.timeout(300)
@@ -149,8 +125,8 @@ def test_greedy_output_across_the_link_equals_the_engine(hosts, servers, expecte
         assert completion.finish_reason == expected[question].finish_reason
         assert completion.prefill_worker == "prefill-0" and completion.decode_worker == "decode-0"
         assert completion.timings.kv_bytes > 0
-    stats = _idle(server)
-    _assert_no_block_held(stats)
+    stats = server.wait_idle()
+    assert_no_block_held(stats)
     # the pools on their hosts: the prefill worker on A, the decode worker on B
     addresses = _node_addresses(hosts)
     where = {
@@ -185,7 +161,7 @@ def test_a_later_turn_sends_only_its_new_blocks_across_the_link(servers, engine,
     # the decode worker on B holds the first turn's blocks: only the rest crossed
     whole_prompt_bytes = turn_2.usage.prompt_tokens * KV_BYTES_PER_TOKEN
     assert 0 < turn_2.timings.kv_bytes < whole_prompt_bytes, (turn_2.timings, turn_2.usage)
-    _assert_no_block_held(_idle(server))
+    assert_no_block_held(server.wait_idle())
 
 
 @pytest.mark.timeout(300)
@@ -226,7 +202,7 @@ def test_a_partition_in_the_middle_of_the_streams_stalls_them_and_they_finish_id
     for reference, (token_ids, finished_at) in zip(expected, results):
         assert token_ids == reference.token_ids
         assert finished_at > healed_at
-    _assert_no_block_held(_idle(server))
+    assert_no_block_held(server.wait_idle())
 
 
 @pytest.mark.timeout(300)
@@ -261,4 +237,4 @@ def test_a_partition_in_the_middle_of_a_handoff_stalls_it_and_the_request_finish
         assert final.timings.kv_transfer_s > 4.0  # the handoff lasted through the partition
     finally:
         hosts.link.shape(rate="1gbit")
-    _assert_no_block_held(_idle(server))
+    assert_no_block_held(server.wait_idle())

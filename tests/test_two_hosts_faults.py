@@ -33,7 +33,7 @@ import pytest
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.two_hosts import TwoHosts
+from tests.two_hosts import TwoHosts, assert_no_block_held
 
 MAX_TOKENS = 8
 MAX_TOKENS_LONG = 48
@@ -83,30 +83,6 @@ def _wait(what: str, check, timeout_s: float, period_s: float = 0.5):
             return found
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
         time.sleep(period_s)
-
-
-def _idle(server, timeout_s: float = 30.0):
-    """Stats once nothing is in flight and every worker's blocks are free (or the last seen)."""
-    deadline = time.monotonic() + timeout_s
-    with server.client() as client:
-        while True:
-            stats = client.stats()
-            if stats.requests_in_flight == 0 and all(
-                w.kv_blocks_total > 0 and w.kv_blocks_free == w.kv_blocks_total
-                for w in stats.workers
-            ):
-                return stats
-            if time.monotonic() > deadline:
-                return stats
-            time.sleep(0.2)
-
-
-def _assert_no_block_held(stats):
-    held = {w.worker_id: w.kv_blocks_total - w.kv_blocks_free for w in stats.workers}
-    assert stats.requests_in_flight == 0 and all(w.kv_blocks_total > 0 for w in stats.workers), (
-        stats
-    )
-    assert not any(held.values()), held
 
 
 def _metrics(server) -> str:
@@ -203,7 +179,7 @@ def test_a_slow_link_makes_the_decode_host_prefill(hosts, engine):
         assert 1e6 < bandwidth < 6.25e6 * 1.1, bandwidth  # the link's rate at most
         status = _status(server)
         assert re.search(r"link \S+ -> \S+: 0\.0\d Gbit/s", status), status
-        _assert_no_block_held(_idle(server))
+        assert_no_block_held(server.wait_idle())
         print(f"slow link: learnt {bandwidth * 8 / 1e6:.1f} Mbit/s; {status}")
     finally:
         server.stop()
@@ -243,7 +219,7 @@ def _recovers_on_b(hosts, server, engine, expected, since_s: float) -> None:
     assert completion.token_ids == expected[QUESTIONS[1]]
     assert completion.prefill_worker == "prefill-0" and completion.timings.kv_bytes > 0, completion
     _assert_healthy(server)
-    _assert_no_block_held(_idle(server))
+    assert_no_block_held(server.wait_idle())
     print(f"B's node back {back_s:.1f} s after; pool on B {time.monotonic() - since_s:.1f} s")
 
 

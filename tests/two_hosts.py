@@ -554,6 +554,25 @@ class Server:
     def stop(self) -> None:
         self.hosts.stop(self.child)
 
+    def stats(self):
+        with self.client() as client:
+            return client.stats()
+
+    def wait_idle(self, timeout_s: float = 30.0):
+        """Stats once nothing is in flight and every worker's blocks are free (or the last seen)."""
+        from tests.serving_harness import settled_stats
+
+        return settled_stats(self.stats, timeout_s)
+
+
+def assert_no_block_held(stats) -> None:
+    """Nothing in flight, every worker answering, and none holding a KV block."""
+    held = {w.worker_id: w.kv_blocks_total - w.kv_blocks_free for w in stats.workers}
+    assert stats.requests_in_flight == 0 and all(w.kv_blocks_total > 0 for w in stats.workers), (
+        stats
+    )
+    assert not any(held.values()), held
+
 
 @dataclass
 class Child:
